@@ -1,0 +1,61 @@
+"""Chained block hashes over a prompt's full token blocks, with vLLM's identity rules.
+
+vLLM reuses a cached prefix only as a run of full blocks from token 0, each block's hash
+chained to its parent's, a per-request ``cache_salt`` folded into block 0 and a LoRA adapter
+into every block. The router needs the same *decisions*, not vLLM's digests, so it uses a fast
+64-bit XXH3 chain with the same boundaries and the same salt/adapter separation: two prompts
+share block i here exactly when vLLM would let them share block i.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+_ROOT = xxhash.xxh3_64_intdigest(b"prefix-router/none-hash")
+
+
+def root_hash(cache_salt: str | None = None, lora: str | None = None) -> int:
+    """The parent of block 0. Salt and adapter live here, so every block of the chain is
+    re-keyed by them (vLLM puts the salt in block 0's extra keys and the adapter in every
+    block's; through the chain the effect on sharing is the same)."""
+    if cache_salt is None and lora is None:
+        return _ROOT
+    key = f"salt={cache_salt!r}\x00lora={lora!r}".encode()
+    return xxhash.xxh3_64_intdigest(key, seed=_ROOT)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, so block hashing is one pass over one buffer."""
+    arr = token_ids if isinstance(token_ids, array) else array("I", token_ids)
+    return arr.tobytes()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, *, cache_salt: str | None = None,
+                 lora: str | None = None, max_blocks: int | None = None) -> list[int]:
+    """Hashes of the leading full blocks of ``token_ids`` (a partial last block is never cached
+    by vLLM, so it is never hashed). At most ``max_blocks`` are computed."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    if n == 0:
+        return []
+    buf = memoryview(pack_tokens(token_ids))
+    step = 4 * block_size
+    parent = root_hash(cache_salt, lora)
+    out = []
+    digest = xxhash.xxh3_64_intdigest
+    for i in range(n):
+        parent = digest(buf[i * step:(i + 1) * step], seed=parent)
+        out.append(parent)
+    return out
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks vLLM can serve from cache: the hit is capped at
+    ``num_tokens - 1`` because the last prompt token must be computed for its logits."""
+    return max(0, (num_tokens - 1) // block_size)

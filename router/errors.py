@@ -1,0 +1,48 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+class APIError(Exception):
+    """An error that reaches the client as an OpenAI error body with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPES.get(status, "APIError")
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code if self.code else self.status}}
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(status=self.status, body=json.dumps(self.body()).encode(),
+                            content_type="application/json", headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)

@@ -1,0 +1,43 @@
+"""The ``PrefixIndex`` interface: one per gateway, memory or Redis behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PrefixIndex(Protocol):
+    """A model of every replica's prefix cache, keyed by chained block hashes.
+
+    Because block i's hash chains over blocks 0..i-1, a replica that holds block i is assumed to
+    hold all blocks before it (the engine evicts least-recently-used first, and a request's
+    earlier blocks are always touched with its later ones). Implementations may use this to
+    binary-search the match instead of probing every block.
+    """
+
+    async def match(self, block_hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+        """For each of ``replicas``, how many leading blocks of ``block_hashes`` it holds."""
+        ...
+
+    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+        """``replica`` now holds these blocks (most recently used); evict past capacity."""
+        ...
+
+    async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:
+        """``replica`` no longer holds these blocks (learned from reported cached tokens)."""
+        ...
+
+    async def set_capacity(self, replica: str, blocks: int) -> None:
+        """How many blocks ``replica``'s cache holds (``num_gpu_blocks``); trims to fit."""
+        ...
+
+    async def drop_replica(self, replica: str) -> None:
+        """Forget everything about ``replica`` (removed from the fleet, or restarted)."""
+        ...
+
+    def size(self, replica: str) -> int:
+        """Blocks currently modelled for ``replica`` (for metrics; may be approximate)."""
+        ...
+
+    async def close(self) -> None: ...

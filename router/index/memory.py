@@ -1,0 +1,92 @@
+"""The default index: per-replica LRU sets of block hashes in this process's memory."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+DEFAULT_CAPACITY_BLOCKS = 65_536
+
+
+class _ReplicaCache:
+    """One replica's blocks in least-recently-used order; bounded by ``capacity``."""
+
+    __slots__ = ("blocks", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.capacity = capacity
+
+    def leading_match(self, block_hashes: Sequence[int]) -> int:
+        # Contiguous from block 0, stopping at the first miss (vLLM `break`s there too: a
+        # later block can never be used once an earlier one is missing).
+        n = 0
+        blocks = self.blocks
+        for h in block_hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def touch(self, block_hashes: Sequence[int]) -> None:
+        blocks = self.blocks
+        # Last block first, so block 0 ends up most recent: trimming then drops a prompt's
+        # tail before its head, as vLLM's free queue does (a freed request's blocks are
+        # appended tail-first), and the leading run the index reports stays contiguous.
+        for h in reversed(block_hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        self.trim()
+
+    def trim(self) -> None:
+        blocks = self.blocks
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+
+class MemoryIndex:
+    """``PrefixIndex`` in memory. Memory is bounded by the sum of replica capacities."""
+
+    def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
+        self.default_capacity = default_capacity
+        self._replicas: dict[str, _ReplicaCache] = {}
+
+    def _cache(self, replica: str) -> _ReplicaCache:
+        cache = self._replicas.get(replica)
+        if cache is None:
+            cache = self._replicas[replica] = _ReplicaCache(self.default_capacity)
+        return cache
+
+    async def match(self, block_hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+        out = {}
+        for r in replicas:
+            cache = self._replicas.get(r)
+            out[r] = cache.leading_match(block_hashes) if cache else 0
+        return out
+
+    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+        if block_hashes:
+            self._cache(replica).touch(block_hashes)
+
+    async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:
+        cache = self._replicas.get(replica)
+        if cache:
+            for h in block_hashes:
+                cache.blocks.pop(h, None)
+
+    async def set_capacity(self, replica: str, blocks: int) -> None:
+        cache = self._cache(replica)
+        cache.capacity = max(1, blocks)
+        cache.trim()
+
+    async def drop_replica(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+    def size(self, replica: str) -> int:
+        cache = self._replicas.get(replica)
+        return len(cache.blocks) if cache else 0
+
+    async def close(self) -> None:
+        self._replicas.clear()

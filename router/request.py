@@ -1,0 +1,37 @@
+"""The one description of a request that every stage after parsing reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """An OpenAI request after parsing, tenancy, rendering and hashing.
+
+    ``body`` is what is forwarded (the client's fields untouched, plus any ``cache_salt`` the
+    tenancy policy set); ``block_hashes`` are the leading full blocks routing looks at, keyed
+    with exactly the salt that ``body`` carries."""
+
+    request_id: str
+    endpoint: Endpoint
+    model: str
+    tenant: str
+    body: dict[str, Any]
+    stream: bool
+    token_ids: list[int]
+    block_size: int
+    block_hashes: list[int]
+    cache_salt: str | None = None
+    lora: str | None = None
+    salt_policy: str = "none"
+    app_label: str | None = None
+    max_tokens: int | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
