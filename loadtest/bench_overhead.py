@@ -1,0 +1,389 @@
+"""The gateway's own cost, side by side with sending straight to a replica, in one run.
+
+    python -m loadtest.bench_overhead [--requests 400] [--concurrency 64] [--peers]
+
+Backends are instant fakes (``loadtest.fake_backend``) in their own process, so only routing
+cost shows. Chat requests carry ~``--prompt-tokens`` tokens of which ``--shared-tokens`` are a
+system prompt common to all requests (``--cold``: nothing repeats). Prints, per target: latency
+p50/p99 at concurrency 1 and the added latency over direct; throughput at ``--concurrency``
+and its ratio to direct; the gateway's CPU per request and resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+import router
+
+TOKENIZER = str(Path(router.__file__).parent / "assets" / "tokenizers" / "qwen3")
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "policy", "customer", "account", "invoice", "refund", "shipping", "warranty", "ticket", "escalate"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def text_of_tokens(n_tokens: int, rng: random.Random) -> str:
+    # These words are one token each (with their leading space) in Qwen3's vocabulary, give or
+    # take punctuation: close enough for a ~N-token prompt.
+    return " ".join(rng.choice(WORDS) for _ in range(n_tokens))
+
+
+def make_bodies(
+    n: int, prompt_tokens: int, shared_tokens: int, cold: bool, seed: int, stream: bool
+) -> list[bytes]:
+    rng = random.Random(seed)
+    shared = text_of_tokens(shared_tokens, rng)
+    out = []
+    for i in range(n):
+        system = f"Request {i}. " + text_of_tokens(shared_tokens, rng) if cold else shared
+        user = text_of_tokens(max(1, prompt_tokens - shared_tokens), rng)
+        out.append(
+            json.dumps(
+                {
+                    "model": "Qwen/Qwen3-0.6B",
+                    "max_tokens": 1,
+                    "stream": stream,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": user},
+                    ],
+                }
+            ).encode()
+        )
+    return out
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    url: str
+
+    def cpu_seconds(self) -> float:
+        try:
+            fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        tick = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    def rss_mb(self) -> float:
+        try:
+            for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+
+
+async def wait_ready(url: str, path: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with s.get(url + path) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url}{path} not ready after {timeout}s")
+
+
+@dataclass
+class Result:
+    name: str
+    latencies_ms: list[float] = field(default_factory=list)
+    throughput_rps: float = 0.0
+    errors: int = 0
+    cpu_ms_per_request: float | None = None
+    rss_mb: float | None = None
+
+    def p(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+
+async def measure(
+    name: str,
+    urls: list[str],
+    bodies: list[bytes],
+    n_latency: int,
+    n_throughput: int,
+    concurrency: int,
+    proc: Proc | None,
+) -> Result:
+    res = Result(name)
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector) as s:
+
+        async def one(i: int) -> float:
+            url = urls[i % len(urls)] + "/v1/chat/completions"
+            t0 = time.perf_counter()
+            async with s.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    res.errors += 1
+            return (time.perf_counter() - t0) * 1000
+
+        for i in range(min(50, n_latency)):  # warm connections, caches, the JIT-less rest
+            await one(i)
+        for i in range(n_latency):
+            res.latencies_ms.append(await one(i))
+
+        cpu0 = proc.cpu_seconds() if proc else 0.0
+        counter = iter(range(n_throughput))
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            for i in counter:
+                await one(i)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+        res.throughput_rps = n_throughput / elapsed
+        if proc:
+            res.cpu_ms_per_request = (proc.cpu_seconds() - cpu0) * 1000 / n_throughput
+            res.rss_mb = proc.rss_mb()
+    return res
+
+
+def start(name: str, cmd: list[str], url: str, env: dict[str, str] | None = None) -> Proc:
+    popen = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
+    )
+    return Proc(name, popen, url)
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def peer_commands(backends: list[str], port: int) -> dict[str, list[str]]:
+    """Rust peers, when installed (``pip install vllm-router sglang-router``)."""
+    out = {}
+    if shutil.which("vllm-router"):
+        out["vllm-router cache_aware"] = [
+            "vllm-router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "cache_aware",
+            "--worker-urls",
+            *backends,
+        ]
+    if shutil.which("smg"):
+        out["smg cache_aware"] = [
+            "smg",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port + 1),
+            "--policy",
+            "cache_aware",
+            "--worker-urls",
+            *backends,
+        ]
+    return out
+
+
+async def run(a: argparse.Namespace) -> int:
+    ports = [free_port() for _ in range(a.backends)]
+    backends = [f"http://127.0.0.1:{p}" for p in ports]
+    bodies = make_bodies(
+        max(a.requests, 64) if a.cold else 64,
+        a.prompt_tokens,
+        a.shared_tokens,
+        a.cold,
+        a.seed,
+        a.stream,
+    )
+    if a.cold:
+        bodies = make_bodies(
+            a.requests + a.throughput_requests + 50,
+            a.prompt_tokens,
+            a.shared_tokens,
+            True,
+            a.seed,
+            a.stream,
+        )
+    results: list[Result] = []
+    with processes() as procs:
+        procs.append(
+            start(
+                "backends",
+                [
+                    sys.executable,
+                    "-m",
+                    "loadtest.fake_backend",
+                    "--ports",
+                    ",".join(map(str, ports)),
+                ],
+                backends[0],
+            )
+        )
+        for b in backends:
+            await wait_ready(b, "/health")
+        print(
+            f"{a.backends} instant backends up; {len(bodies)} distinct bodies of "
+            f"~{a.prompt_tokens} tokens ({'cold' if a.cold else f'{a.shared_tokens} shared'})",
+            file=sys.stderr,
+        )
+        results.append(
+            await measure(
+                "direct", backends, bodies, a.requests, a.throughput_requests, a.concurrency, None
+            )
+        )
+
+        gport = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(gport),
+            "--tokenizer",
+            TOKENIZER,
+            "--log-level",
+            "warning",
+            "--policy",
+            a.policy,
+            *sum((["--replica", b] for b in backends), []),
+        ]
+        gw = start("prefix-router", cmd, f"http://127.0.0.1:{gport}")
+        procs.append(gw)
+        await wait_ready(gw.url, "/ready")
+        results.append(
+            await measure(
+                f"prefix-router {a.policy}",
+                [gw.url],
+                bodies,
+                a.requests,
+                a.throughput_requests,
+                a.concurrency,
+                gw,
+            )
+        )
+
+        if a.peers:
+            for name, pcmd in peer_commands(backends, free_port()).items():
+                port = pcmd[pcmd.index("--port") + 1]
+                peer = start(
+                    name,
+                    pcmd,
+                    f"http://127.0.0.1:{port}",
+                    env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
+                )
+                procs.append(peer)
+                try:
+                    await wait_ready(peer.url, "/health", timeout=30)
+                except RuntimeError as e:
+                    print(f"skipping {name}: {e}", file=sys.stderr)
+                    continue
+                results.append(
+                    await measure(
+                        name,
+                        [peer.url],
+                        bodies,
+                        a.requests,
+                        a.throughput_requests,
+                        a.concurrency,
+                        peer,
+                    )
+                )
+    print_table(results, a)
+    return 0
+
+
+def print_table(results: list[Result], a: argparse.Namespace) -> None:
+    direct = results[0]
+    print(
+        f"\nconcurrency 1: {a.requests} requests; concurrency {a.concurrency}: "
+        f"{a.throughput_requests} requests; ~{a.prompt_tokens}-token chat prompts "
+        f"({'cold' if a.cold else f'{a.shared_tokens} shared'}), stream={a.stream}"
+    )
+    head = (
+        f"{'target':28} {'p50 ms':>8} {'p99 ms':>8} {'+p50':>7} {'+p99':>7} "
+        f"{'req/s':>8} {'x direct':>8} {'cpu ms/req':>10} {'rss MB':>7} {'errors':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        add50 = r.p(50) - direct.p(50)
+        add99 = r.p(99) - direct.p(99)
+        cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
+        rss = f"{r.rss_mb:.0f}" if r.rss_mb is not None else "-"
+        print(
+            f"{r.name:28} {r.p(50):8.3f} {r.p(99):8.3f} {add50:+7.3f} {add99:+7.3f} "
+            f"{r.throughput_rps:8.0f} {r.throughput_rps / direct.throughput_rps:8.2f} "
+            f"{cpu:>10} {rss:>7} {r.errors:6d}"
+        )
+    for r in results[2:]:
+        ours = results[1].throughput_rps / r.throughput_rps
+        print(f"prefix-router / {r.name}: {ours:.2f}x throughput")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=400, help="requests at concurrency 1")
+    p.add_argument("--throughput-requests", type=int, default=3000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=4000)
+    p.add_argument("--shared-tokens", type=int, default=3000)
+    p.add_argument("--cold", action="store_true", help="every prompt distinct (no reuse)")
+    p.add_argument("--stream", action="store_true", help="streaming requests")
+    p.add_argument("--policy", default="ttft")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run vllm-router and smg when installed (pip install vllm-router sglang-router)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    return asyncio.run(run(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

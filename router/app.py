@@ -1,0 +1,602 @@
+"""The aiohttp application: routes, lifecycle, and the request path.
+
+    parse -> tenancy -> prompt -> blocks -> schedule -> forward -> learn
+
+``Gateway.prepare`` and ``Gateway.decide`` are the request path up to the decision; the live
+handler and the explain endpoint both call them, so nothing is re-implemented for explaining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router import blocks
+from router.config import Config
+from router.errors import APIError, bad_request
+from router.fleet import Fleet, Replica
+from router.forward import Outcome, UpstreamUnavailable, proxy, request_headers
+from router.index import MemoryIndex, PrefixIndex
+from router.metrics import Metrics
+from router.prompt import Renderer
+from router.request import Endpoint, RoutedRequest
+from router.schedule import Decision, HashRing, build_policy
+from router.tenancy import Tenancy
+
+log = logging.getLogger("prefix_router")
+
+DEFAULT_BLOCK_SIZE = 16
+LONG_BODY_BYTES = 16 * 1024  # tokenize bodies larger than this in a thread
+REQUEST_ID = web.RequestKey("request_id", str)
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
+PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    request: RoutedRequest
+    decision: Decision
+
+
+class Gateway:
+    """One gateway process: its fleet view, index, policy and upstream session."""
+
+    def __init__(
+        self, config: Config, renderer: Renderer | None = None, index: PrefixIndex | None = None
+    ) -> None:
+        self.config = config
+        self.renderer = renderer
+        self.metrics = Metrics()
+        self.tenancy = Tenancy(config)
+        self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
+        self.ring = HashRing(virtual_nodes=config.virtual_nodes)
+        self.policy = build_policy(
+            config.policy, self.ring, config.load_bound, config.decode_cost_tokens
+        )
+        self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        self.session: aiohttp.ClientSession | None = None
+        self.fleet: Fleet | None = None
+        self.executor = ThreadPoolExecutor(
+            max(1, config.tokenize_threads), thread_name_prefix="tokenize"
+        )
+        self.timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=config.connect_timeout_s,
+            sock_read=max(config.first_byte_timeout_s, config.idle_timeout_s),
+        )
+        self.draining = False
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        headers = (
+            {"Authorization": f"Bearer {self.config.upstream_api_key}"}
+            if self.config.upstream_api_key
+            else {}
+        )
+        self.fleet = Fleet(
+            self.config.replicas,
+            self.session,
+            health_interval_s=self.config.health_interval_s,
+            metrics_interval_s=self.config.metrics_interval_s,
+            eject_after_failures=self.config.eject_after_failures,
+            upstream_headers=headers,
+            on_event=self._on_fleet_event,
+        )
+        await self.fleet.start()
+        self._sync_ring()
+        if self.config.block_size is None:
+            self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
+        for r in self.fleet.replicas.values():
+            await self._apply_capacity(r)
+        if self.renderer is None:
+            self.renderer = await asyncio.get_running_loop().run_in_executor(
+                self.executor, load_renderer, self.config.tokenizer, self.fleet.base_model()
+            )
+        log.info(
+            "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
+            len(self.fleet.replicas),
+            len(self.fleet.healthy()),
+            self.policy.name,
+            self.block_size,
+        )
+
+    async def stop(self) -> None:
+        self.draining = True
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.fleet:
+            await self.fleet.stop()
+        await self.index.close()
+        if self.session:
+            await self.session.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _sync_ring(self) -> None:
+        assert self.fleet is not None
+        self.ring.set_members(r.url for r in self.fleet.healthy())
+        for url, r in self.fleet.replicas.items():
+            self.metrics.replica_healthy.labels(url).set(1 if r.healthy else 0)
+
+    async def _apply_capacity(self, replica: Replica) -> None:
+        blocks_ = self.config.capacity_blocks or replica.stats.num_gpu_blocks
+        if blocks_:
+            await self.index.set_capacity(replica.url, blocks_)
+
+    async def _on_fleet_event(self, replica: Replica, event: str) -> None:
+        if event in ("removed", "restarted"):
+            await self.index.drop_replica(replica.url)
+        if event == "capacity":
+            await self._apply_capacity(replica)
+        self._sync_ring()
+
+    # -- the request path -------------------------------------------------------------------
+    async def prepare(
+        self, request: web.Request, endpoint: Endpoint, request_id: str
+    ) -> RoutedRequest:
+        """Parse, identify the tenant, apply the salt policy, tokenize and hash."""
+        tenant = self.tenancy.identify(request.headers)
+        raw = await request.read()
+        body = parse_body(raw, endpoint)
+        assert self.fleet is not None and self.renderer is not None
+        model = body.get("model")
+        if model is None:
+            model = self.fleet.base_model() or ""
+        lora = model if self.fleet.adapter_parent(model) else None
+
+        salt = self.tenancy.salt(
+            tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
+        )
+        client_body = body
+        if salt.salt != body.get("cache_salt"):
+            body = dict(body)
+            if salt.salt is None:
+                body.pop("cache_salt", None)
+            else:
+                body["cache_salt"] = salt.salt
+
+        t0 = time.perf_counter()
+        renderer = self.renderer
+        if endpoint == "chat":
+
+            def work() -> list[int]:
+                return renderer.tokenize_chat(body)
+        else:
+
+            def work() -> list[int]:
+                return renderer.tokenize_completion(body["prompt"])
+
+        if len(raw) > LONG_BODY_BYTES:
+            token_ids = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        else:
+            token_ids = work()
+        hashes = blocks.block_hashes(
+            token_ids,
+            self.block_size,
+            cache_salt=salt.salt,
+            lora=lora,
+            max_blocks=self.config.max_hashed_blocks,
+        )
+        self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        return RoutedRequest(
+            request_id=request_id,
+            endpoint=endpoint,
+            model=model,
+            tenant=tenant,
+            body=body,
+            stream=bool(body.get("stream", False)),
+            token_ids=token_ids,
+            block_size=self.block_size,
+            block_hashes=hashes,
+            cache_salt=salt.salt,
+            lora=lora,
+            salt_policy=salt.policy,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            # Unchanged bodies are forwarded as the client's own bytes.
+            extras={"raw": raw if body is client_body else None},
+        )
+
+    async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        assert self.fleet is not None
+        t0 = time.perf_counter()
+        replicas = [r for r in self.fleet.serving(rr.model) if r.url not in exclude]
+        if not replicas:
+            if not self.fleet.healthy():
+                raise APIError(503, "no healthy replica is available", code="no_replica")
+            if exclude:
+                raise APIError(
+                    502, "every replica that serves this model failed", code="upstream_failed"
+                )
+            raise APIError(
+                404,
+                f"The model `{rr.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        urls = [r.url for r in replicas]
+        matches = await self.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
+        decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        return decision
+
+    async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        request_id = request[REQUEST_ID]
+        rr = await self.prepare(request, endpoint, request_id)
+        assert self.fleet is not None and self.session is not None
+        raw = rr.extras.get("raw")
+        body = raw if raw is not None else json.dumps(rr.body).encode()
+        headers = request_headers(
+            request.headers,
+            request_id,
+            self.config.upstream_api_key,
+            forward_authorization=not self.config.auth,
+        )
+        self.metrics.tenant_requests.labels(rr.tenant).inc()
+        self.metrics.prompt_tokens.labels(rr.tenant).inc(rr.num_tokens)
+        tried: set[str] = set()
+        while True:
+            decision = await self.decide(rr, frozenset(tried))
+            replica = self.fleet.replicas[decision.replica]
+            self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+            await self.index.record(replica.url, rr.block_hashes)
+            extra = {"x-request-id": request_id}
+            if self.config.decision_headers:
+                extra["x-prefix-router-replica"] = replica.url
+                extra["x-prefix-router-cached-blocks"] = str(decision.matched_blocks)
+            try:
+                resp, outcome = await self._send(
+                    request, rr, replica, decision, body, headers, extra
+                )
+            except UpstreamUnavailable as e:
+                tried.add(replica.url)
+                self.metrics.retries.labels(replica.url, e.why).inc()
+                self.metrics.requests.labels(replica.url, decision.policy, "unavailable").inc()
+                await self.fleet.record_failure(replica, e.why)
+                self._sync_ring()
+                if len(tried) > self.config.max_retries:
+                    raise APIError(
+                        502,
+                        f"upstream replica unavailable ({e.why}) after {len(tried)} attempts",
+                        code="upstream_unavailable",
+                    ) from e
+                log.info(
+                    "request %s: %s failed before the first byte (%s); retrying",
+                    request_id,
+                    replica.url,
+                    e.why,
+                )
+                continue
+            self.fleet.record_success(replica)
+            self._learn(rr, decision, outcome)
+            return resp
+
+    async def _send(
+        self,
+        request: web.Request,
+        rr: RoutedRequest,
+        replica: Replica,
+        decision: Decision,
+        body: bytes,
+        headers: Any,
+        extra: dict[str, str],
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """Forward with load accounting: in flight until done, pending prefill until the
+        first byte."""
+        uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
+        replica.inflight += 1
+        replica.pending_requests += 1
+        replica.pending_prefill_tokens += uncached
+        gauge = self.metrics.inflight.labels(replica.url)
+        gauge.inc()
+        pending = True
+
+        def first_byte() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                replica.pending_requests -= 1
+                replica.pending_prefill_tokens -= uncached
+
+        assert self.session is not None
+        try:
+            url = replica.url + PATHS[rr.endpoint]
+            return await proxy(
+                self.session,
+                request,
+                url,
+                body,
+                headers,
+                extra,
+                self.timeout,
+                on_first_byte=first_byte,
+            )
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects.inc()
+            self.metrics.requests.labels(replica.url, decision.policy, "client_gone").inc()
+            raise
+        finally:
+            first_byte()
+            replica.inflight -= 1
+            gauge.dec()
+
+    def _learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        """Compare the prediction with what the replica reports, and correct the index."""
+        outcome_label = (
+            "ok"
+            if outcome.status < 400 and outcome.complete
+            else (f"http_{outcome.status}" if outcome.status >= 400 else "broken")
+        )
+        self.metrics.requests.labels(decision.replica, decision.policy, outcome_label).inc()
+        self.metrics.upstream_ttft.labels(decision.replica).observe(outcome.first_byte_s)
+        predicted = decision.matched_blocks * rr.block_size
+        self.metrics.predicted_cached_tokens.labels(rr.tenant).inc(predicted)
+        if outcome.cached_tokens is None:
+            return
+        reported = outcome.cached_tokens
+        self.metrics.reported_cached_tokens.labels(rr.tenant).inc(reported)
+        self.metrics.prediction_error.observe(predicted - reported)
+        if reported == 0 and decision.matched_blocks >= 2:
+            # The replica held none of what we believed it held: its cache was lost (restart,
+            # reset) behind our back. Forget everything we believed about it but this request.
+            log.info(
+                "replica %s reported no cached tokens where %d were predicted; resetting its index",
+                decision.replica,
+                predicted,
+            )
+            self._spawn(self._reset_replica(decision.replica, rr.block_hashes))
+
+    async def _reset_replica(self, url: str, keep: list[int]) -> None:
+        await self.index.drop_replica(url)
+        if self.fleet and url in self.fleet.replicas:
+            await self._apply_capacity(self.fleet.replicas[url])
+        await self.index.record(url, keep)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- handlers -------------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.route(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.route(request, "completions")
+
+    async def models(self, request: web.Request) -> web.Response:
+        assert self.fleet is not None
+        cards = sorted(self.fleet.models().values(), key=lambda c: str(c.get("id")))
+        return web.json_response({"object": "list", "data": cards})
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
+        assert self.fleet is not None and self.session is not None
+        raw = await request.read()
+        parse_json_object(raw)
+        headers = request_headers(
+            request.headers,
+            request[REQUEST_ID],
+            self.config.upstream_api_key,
+            not self.config.auth,
+        )
+        tried: set[str] = set()
+        for _ in range(self.config.max_retries + 1):
+            replicas = [r for r in self.fleet.healthy() if r.url not in tried]
+            if not replicas:
+                break
+            replica = min(replicas, key=lambda r: (r.inflight, r.url))
+            try:
+                resp, _ = await proxy(
+                    self.session,
+                    request,
+                    replica.url + request.path,
+                    raw,
+                    headers,
+                    {"x-request-id": request[REQUEST_ID]},
+                    self.timeout,
+                )
+                return resp
+            except UpstreamUnavailable as e:
+                tried.add(replica.url)
+                await self.fleet.record_failure(replica, e.why)
+        raise APIError(503, "no healthy replica is available", code="no_replica")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        assert self.fleet is not None
+        healthy = len(self.fleet.healthy())
+        ok = healthy > 0 and not self.draining
+        return web.json_response(
+            {
+                "ready": ok,
+                "healthy_replicas": healthy,
+                "replicas": len(self.fleet.replicas),
+                "draining": self.draining,
+            },
+            status=200 if ok else 503,
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if self.fleet:
+            for url in self.fleet.replicas:
+                self.metrics.index_blocks.labels(url).set(self.index.size(url))
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise bad_request("request body is not UTF-8") from None
+    except ValueError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """Validate the fields routing reads; everything else is forwarded untouched."""
+    body = parse_json_object(raw)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+        raise bad_request("stream must be a boolean", "stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise bad_request(f"{key} must be a non-negative integer", key)
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise bad_request("prompt is required", "prompt")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise bad_request(
+                "prompt must be a string, a list of token ids, or a list of either", "prompt"
+            )
+    return body
+
+
+def load_renderer(tokenizer: str | None, reported_model: str | None) -> Renderer:
+    name = tokenizer or reported_model
+    if not name:
+        raise SystemExit(
+            "prefix-router: no --tokenizer given and no replica reported a model "
+            "in /v1/models; pass --tokenizer PATH_OR_MODEL_ID"
+        )
+    try:
+        from transformers import AutoTokenizer
+
+        # Local files only: the request path must never wait on a model hub, and offline a
+        # hub lookup only retries for half a minute before failing anyway.
+        return Renderer(AutoTokenizer.from_pretrained(name, local_files_only=True))
+    except Exception as e:  # transformers raises OSError, ValueError, HF errors...
+        hint = (
+            ""
+            if tokenizer
+            else " (the model the replicas report; pass --tokenizer to choose another)"
+        )
+        raise SystemExit(
+            f"prefix-router: cannot load tokenizer {name!r}{hint}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+            "Offline, point --tokenizer at a local directory with tokenizer.json "
+            "and tokenizer_config.json."
+        ) from None
+
+
+# -- middleware ---------------------------------------------------------------------------
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    if len(request_id) > 128 or not request_id.isprintable():
+        request_id = uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    rid = {"x-request-id": request_id}
+    try:
+        resp = await handler(request)
+    except APIError as e:
+        return e.response(rid)
+    except web.HTTPRequestEntityTooLarge as e:
+        return APIError(413, f"request body too large: {e.text}").response(rid)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return APIError(e.status, e.reason or "error").response(rid)
+        raise
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("request %s failed", request_id)
+        return APIError(500, "internal error in the gateway", code="internal_error").response(rid)
+    if not resp.prepared:
+        resp.headers.setdefault("x-request-id", request_id)
+    return resp
+
+
+def build_app(
+    config: Config, renderer: Renderer | None = None, index: PrefixIndex | None = None
+) -> web.Application:
+    gateway = Gateway(config, renderer, index)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    app[GATEWAY_KEY] = gateway
+    app.router.add_post("/v1/chat/completions", gateway.chat)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_post("/tokenize", gateway.passthrough)
+    app.router.add_post("/detokenize", gateway.passthrough)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/ready", gateway.ready)
+    app.router.add_get("/metrics", gateway.prometheus)
+
+    async def on_startup(app: web.Application) -> None:
+        await gateway.start()
+
+    async def on_shutdown(app: web.Application) -> None:
+        gateway.draining = True
+
+    async def on_cleanup(app: web.Application) -> None:
+        await gateway.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    runner: web.AppRunner
+    gateway: Gateway
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_gateway(
+    config: Config,
+    renderer: Renderer | None = None,
+    index: PrefixIndex | None = None,
+    port: int | None = None,
+) -> RunningGateway:
+    """Start a gateway in this event loop (tests, demo, load tests). ``port=0`` picks one."""
+    app = build_app(config, renderer, index)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port if port is None else port)
+    await site.start()
+    sock = site._server.sockets[0]  # type: ignore[union-attr]
+    host, bound = sock.getsockname()[:2]
+    return RunningGateway(f"http://{host}:{bound}", runner, app[GATEWAY_KEY])

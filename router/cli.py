@@ -1,0 +1,142 @@
+"""``prefix-router``: serve the gateway, run the demo, simulate replicas, load-test."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from router import __version__
+from router.config import ConfigError, add_arguments, dump_yaml, load_config
+
+DESCRIPTION = """\
+An OpenAI-compatible gateway for vLLM fleets that routes each request to the replica most
+likely to hold its prompt's prefix in its KV cache (token-exact, salt-aware), without piling
+the fleet's traffic onto one replica."""
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        print(f"prefix-router: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump_yaml(config), end="")
+        return 0
+    if not config.replicas and not config.discovery_dns:
+        print(
+            "prefix-router: no replicas: pass --replica URL (repeatable), set replicas in "
+            "--config, PREFIX_ROUTER_REPLICAS, or discovery_dns.\n"
+            "To try it without vLLM: prefix-router demo",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from aiohttp import web
+
+    from router.app import build_app
+
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        app = build_app(config)
+    except ConfigError as e:
+        print(f"prefix-router: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"prefix-router {__version__} listening on http://{config.host}:{config.port} "
+        f"(policy {config.policy}, {len(config.replicas)} replicas)",
+        flush=True,
+    )
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        loop=loop,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=config.shutdown_grace_s,
+    )
+    return 0
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _delegate(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        main = importlib.import_module(module).main
+        return int(main(args.rest) or 0)
+
+    return run
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from router.demo import main
+
+    return main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix-router",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"prefix-router {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway in front of vLLM replicas",
+        description="Run the gateway. Every option is also a config-file "
+        "key (--config) and a PREFIX_ROUTER_* environment variable; flags "
+        "win over the environment, which wins over the file.",
+    )
+    add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    for name, module, text in (
+        ("demo", "router.demo", "simulated replicas + the gateway vs round robin, on loopback"),
+        ("replica", "loadtest.replica", "run simulated vLLM replicas (no GPU)"),
+        ("loadtest", "loadtest.cli", "load-test replica affinity and write a report"),
+        ("explain", "router.explain", "print token ids and block hashes for request bodies"),
+        (
+            "diagnose",
+            "router.diagnose",
+            "explain a low prefix-cache hit rate from captured requests",
+        ),
+    ):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_delegate(module))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""One typed configuration, from defaults < a YAML file < environment < flags.
+
+Every field is a flag (``--block-size``), a config key (``block_size``) and an environment
+variable (``PREFIX_ROUTER_BLOCK_SIZE``; lists comma-separated). ``prefix-router serve
+--print-config`` prints the effective result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "PREFIX_ROUTER_"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+def _opt(default: Any, help: str, *, flag: bool = True, secret: bool = False) -> Any:
+    meta = {"help": help, "flag": flag, "secret": secret}
+    if isinstance(default, (list, dict)):
+        factory: Any = list if isinstance(default, list) else dict
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # -- serving
+    host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
+    port: int = _opt(8000, "port to listen on")
+    replicas: list[str] = _opt(
+        [], "a vLLM replica base URL, e.g. http://10.0.0.1:8000 (repeatable)"
+    )
+    tokenizer: str | None = _opt(
+        None,
+        "tokenizer directory or model id (default: the model the replicas report, "
+        "loaded from the local Hugging Face cache)",
+    )
+    block_size: int | None = _opt(
+        None,
+        "prefix-cache block size in tokens (default: what the replicas report in "
+        "vllm:cache_config_info, else 16)",
+    )
+    policy: str = _opt(
+        "ttft",
+        "routing policy: ttft (default: lowest estimated time to first "
+        "token), round_robin, least_loaded, consistent_hash, random",
+    )
+    log_level: str = _opt("info", "debug, info, warning or error")
+    # -- routing
+    max_hashed_blocks: int = _opt(4096, "hash at most this many leading blocks per request")
+    capacity_blocks: int | None = _opt(
+        None,
+        "blocks each replica's prefix cache holds (default: num_gpu_blocks reported by "
+        "the replica, else 65536)",
+    )
+    load_bound: float = _opt(
+        1.25,
+        "bounded-load factor c: no replica takes a request while it "
+        "has more than c x the mean in-flight requests",
+    )
+    virtual_nodes: int = _opt(160, "virtual nodes per replica on the consistent-hash ring")
+    decode_cost_tokens: float = _opt(
+        8.0,
+        "cost of one running (decoding) request, in prompt-token equivalents, in the "
+        "ttft policy's estimate",
+    )
+    # -- fleet
+    health_interval_s: float = _opt(2.0, "seconds between active /health checks")
+    metrics_interval_s: float = _opt(1.0, "seconds between scrapes of the replicas' /metrics")
+    eject_after_failures: int = _opt(
+        3, "consecutive request failures that eject a replica until its /health answers again"
+    )
+    # -- forwarding
+    connect_timeout_s: float = _opt(5.0, "upstream connect timeout")
+    first_byte_timeout_s: float = _opt(600.0, "upstream time to response headers")
+    idle_timeout_s: float = _opt(600.0, "upstream max silence between streamed chunks")
+    max_retries: int = _opt(2, "retries on another replica when one fails before the first byte")
+    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest accepted request body")
+    max_prompt_chars: int = _opt(4_000_000, "largest rendered prompt, in characters")
+    decision_headers: bool = _opt(
+        True, "add x-prefix-router-replica and x-prefix-router-cached-blocks to responses"
+    )
+    upstream_api_key: str | None = _opt(
+        None, "bearer token sent to the replicas (vLLM --api-key)", secret=True
+    )
+    tokenize_threads: int = _opt(2, "threads that tokenize long prompts off the event loop")
+    shutdown_grace_s: float = _opt(30.0, "on SIGTERM, seconds to let in-flight requests finish")
+    # -- fleet mode (Redis)
+    redis_url: str | None = _opt(
+        None,
+        "share the prefix map, ring and load with other "
+        "gateways through this Redis, e.g. redis://host:6379/0",
+    )
+    redis_prefix: str = _opt("prefix-router", "namespace prefix of every Redis key")
+    redis_timeout_ms: float = _opt(10.0, "Redis lookup timeout; on timeout route locally")
+    # -- discovery
+    discovery_dns: str | None = _opt(
+        None, "discover replicas by resolving this DNS name (e.g. a headless Service) periodically"
+    )
+    discovery_port: int = _opt(8000, "port of replicas found by DNS discovery")
+    discovery_interval_s: float = _opt(10.0, "seconds between DNS discovery lookups")
+    # -- tenancy
+    auth: bool = _opt(False, "require Authorization: Bearer <key> (keys from api_keys_file)")
+    api_keys_file: str | None = _opt(
+        None, "YAML file mapping tenants to API keys or their sha256 hashes"
+    )
+    tenant_header: str | None = _opt(
+        None, "with auth off, a header that names the tenant (trust-the-client)"
+    )
+    salt_policy: str = _opt(
+        "auto",
+        "default cache_salt policy: none, tenant, tenant+client, "
+        "reject, or auto (tenant when auth is on, else pass-through)",
+    )
+    salt_secret: str | None = _opt(None, "server secret keying tenant salts", secret=True)
+    tenants: dict[str, Any] = _opt({}, "per-tenant overrides (config file only)", flag=False)
+    public_prefixes: dict[str, Any] = _opt(
+        {}, "named public prefixes (config file only)", flag=False
+    )
+    # -- admin
+    admin_key: str | None = _opt(
+        None, "key for admin endpoints (/admin/*, /v1/route/explain)", secret=True
+    )
+
+    def validate(self) -> Config:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be 1..65535, got {self.port}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.load_bound < 1.0:
+            raise ConfigError(f"load_bound must be >= 1.0, got {self.load_bound}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(
+                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
+            )
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"replica URL must start with http:// or https://: {url!r}")
+        from router.schedule import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"unknown policy {self.policy!r}; choose from {', '.join(sorted(POLICIES))}"
+            )
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective config as a dict, with secrets masked (safe to print or log)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("secret") and value:
+                value = "***"
+            out[f.name] = value
+        return out
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(the concrete type, whether None is allowed) of a field annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(name: str, tp: Any, value: Any, source: str) -> Any:
+    base, nullable = _base_type(tp)
+    if value is None or (nullable and isinstance(value, str) and value.lower() in ("", "none")):
+        if nullable:
+            return None
+        raise ConfigError(f"{source}: {name} must not be empty")
+    origin = typing.get_origin(base) or base
+    try:
+        if origin is list:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return [str(i).strip() for i in items if str(i).strip()]
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: {name} must be a mapping")
+            return value
+        if origin is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if origin is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if origin is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{source}: {name} must be {getattr(origin, '__name__', origin)}, got {value!r}"
+        ) from None
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; defaults are None so only flags the user gave override."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML config file (keys as the long flags, with underscores)",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration (secrets masked) and exit",
+    )
+    hints = _hints()
+    for f in dataclasses.fields(Config):
+        if not f.metadata.get("flag", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        base, _ = _base_type(hints[f.name])
+        env = ENV_PREFIX + f.name.upper()
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = (
+            ""
+            if f.metadata.get("secret") or default in (None, [], {})
+            else f" (default: {default})"
+        )
+        help_text = f"{f.metadata['help']}{shown} [env {env}]"
+        if f.name == "replicas":
+            parser.add_argument(
+                "--replica",
+                dest="replicas",
+                action="append",
+                metavar="URL",
+                default=None,
+                help=help_text,
+            )
+        elif (typing.get_origin(base) or base) is bool:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag, dest=f.name, default=None, metavar=f.name.upper(), help=help_text
+            )
+
+
+def load_config(
+    args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any
+) -> Config:
+    """Defaults < ``--config`` file < ``PREFIX_ROUTER_*`` environment < flags < overrides."""
+    env = dict(os.environ) if env is None else env
+    hints = _hints()
+    names = {f.name for f in dataclasses.fields(Config)}
+    values: dict[str, Any] = {}
+
+    path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must be a mapping of keys to values")
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            if name == "replica":
+                name = "replicas"
+            if name not in names:
+                raise ConfigError(f"{path}: unknown key {key!r}")
+            values[name] = _coerce(name, hints[name], value, path)
+
+    for name in names:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = _coerce(name, hints[name], env[key], f"environment {key}")
+
+    if args is not None:
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None:
+                values[name] = _coerce(name, hints[name], value, "--" + name.replace("_", "-"))
+
+    for name, value in overrides.items():
+        if name not in names:
+            raise ConfigError(f"unknown config key {name!r}")
+        values[name] = value
+    return Config(**values).validate()
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.redacted(), sort_keys=False)

@@ -1,0 +1,191 @@
+"""Upstream I/O: send one request to one replica and pass its answer through untouched.
+
+Nothing here decides where a request goes; the caller hands in the replica. What happens
+before the first response byte can be retried elsewhere (``UpstreamUnavailable``); after it,
+the bytes go to the client as they come, and a failure just ends the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "date",
+        "server",
+    }
+)
+RETRYABLE_STATUS = frozenset({502, 503})
+
+
+class UpstreamUnavailable(Exception):
+    """The replica could not take the request (connect error, 502/503, timeout before any
+    byte): safe to retry on another replica."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int
+    first_byte_s: float
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, when reported
+    completion_tokens: int | None
+    complete: bool  # the whole upstream body reached the client
+
+
+def request_headers(
+    incoming: Mapping[str, str],
+    request_id: str,
+    upstream_api_key: str | None,
+    forward_authorization: bool,
+) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in incoming.items():
+        lk = k.lower()
+        if lk in HOP_BY_HOP or lk == "authorization" or lk.startswith("x-prefix-router-"):
+            continue
+        out.add(k, v)
+    if upstream_api_key:
+        out["Authorization"] = f"Bearer {upstream_api_key}"
+    elif forward_authorization and "Authorization" in incoming:
+        out["Authorization"] = incoming["Authorization"]
+    out["X-Request-Id"] = request_id
+    out["Content-Type"] = "application/json"
+    return out
+
+
+def _response_headers(
+    upstream: aiohttp.ClientResponse, extra: Mapping[str, str]
+) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in upstream.headers.items():
+        if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id":
+            out.add(k, v)
+    out.update(extra)
+    return out
+
+
+def usage_of(body: bytes) -> tuple[int | None, int | None]:
+    """(cached_tokens, completion_tokens) from a JSON body or an SSE tail, if reported."""
+    if b'"usage"' not in body:
+        return None, None
+    candidates = [body]
+    if body.lstrip().startswith(b"data:") or b"\ndata:" in body:
+        candidates = [
+            ev.strip()[5:].strip()
+            for ev in body.split(b"\n\n")
+            if ev.strip().startswith(b"data:") and b'"usage"' in ev
+        ]
+        candidates.reverse()
+    for raw in candidates:
+        try:
+            usage = json.loads(raw).get("usage") or {}
+        except (ValueError, AttributeError):
+            continue
+        if not isinstance(usage, dict):
+            continue
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        completion = usage.get("completion_tokens")
+        return (
+            cached if isinstance(cached, int) else None,
+            completion if isinstance(completion, int) else None,
+        )
+    return None, None
+
+
+async def proxy(
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    extra_headers: Mapping[str, str],
+    timeout: aiohttp.ClientTimeout,
+    on_first_byte: Callable[[], None] | None = None,
+) -> tuple[web.StreamResponse, Outcome]:
+    """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
+
+    ``on_first_byte`` runs when the replica's first body bytes arrive (for a stream, the end
+    of its prefill). Raises ``UpstreamUnavailable`` only before anything reached the client."""
+    start = time.perf_counter()
+    try:
+        ctx = session.post(url, data=body, headers=headers, timeout=timeout)
+        upstream = await ctx.__aenter__()
+    except (
+        aiohttp.ClientConnectionError,
+        aiohttp.ClientPayloadError,
+        asyncio.TimeoutError,
+        OSError,
+    ) as e:
+        raise UpstreamUnavailable(type(e).__name__) from e
+    try:
+        if upstream.status in RETRYABLE_STATUS:
+            raise UpstreamUnavailable(f"HTTP {upstream.status}")
+        out_headers = _response_headers(upstream, extra_headers)
+        ctype = upstream.headers.get("Content-Type", "")
+        if "text/event-stream" not in ctype:
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise UpstreamUnavailable(type(e).__name__) from e
+            first = time.perf_counter() - start
+            cached, completion = usage_of(data) if upstream.status == 200 else (None, None)
+            resp = web.Response(status=upstream.status, body=data, headers=out_headers)
+            return resp, Outcome(upstream.status, first, cached, completion, True)
+
+        # Streaming: relay chunk by chunk; the response is committed at the first chunk.
+        chunks = upstream.content.iter_any()
+        try:
+            first_chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            first_chunk = b""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise UpstreamUnavailable(type(e).__name__) from e
+        first = time.perf_counter() - start
+        if on_first_byte is not None:
+            on_first_byte()
+        stream = web.StreamResponse(status=upstream.status, headers=out_headers)
+        await stream.prepare(request)
+        tail = first_chunk[-16384:]
+        complete = False
+        try:
+            if first_chunk:
+                await stream.write(first_chunk)
+            async for chunk in chunks:
+                await stream.write(chunk)
+                tail = (tail + chunk)[-16384:]
+            complete = True
+            await stream.write_eof()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError, OSError):
+            pass  # upstream broke or the client left: nothing more can be said in-band
+        if not complete:
+            upstream.close()  # drop the connection so the engine aborts the request
+        cached, completion = usage_of(tail) if upstream.status == 200 else (None, None)
+        return stream, Outcome(upstream.status, first, cached, completion, complete)
+    except BaseException:
+        upstream.close()  # cancelled (client gone) or failed: never reuse a half-read socket
+        raise
+    finally:
+        await ctx.__aexit__(None, None, None)

@@ -1,0 +1,117 @@
+"""The gateway's Prometheus metrics, all named ``prefix_router_*``, in one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "prefix_router_requests",
+            "Requests by replica, policy and outcome",
+            ["replica", "policy", "outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "prefix_router_decisions",
+            "Routing decisions by reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "prefix_router_prompt_tokens", "Prompt tokens routed", ["tenant"], registry=r
+        )
+        self.predicted_cached_tokens = Counter(
+            "prefix_router_predicted_cached_tokens",
+            "Prompt tokens the gateway predicted the chosen replica holds",
+            ["tenant"],
+            registry=r,
+        )
+        self.reported_cached_tokens = Counter(
+            "prefix_router_reported_cached_tokens",
+            "Cached prompt tokens the replicas reported (usage.prompt_tokens_details)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "prefix_router_tenant_requests", "Requests by tenant", ["tenant"], registry=r
+        )
+        self.prediction_error = Histogram(
+            "prefix_router_prediction_error_tokens",
+            "predicted - reported cached tokens, for responses that report them",
+            buckets=(-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096),
+            registry=r,
+        )
+        self.decision_latency = Histogram(
+            "prefix_router_decision_seconds",
+            "Index lookup + policy decision time",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_latency = Histogram(
+            "prefix_router_tokenize_seconds",
+            "Rendering + tokenization + hashing time",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_ttft = Histogram(
+            "prefix_router_upstream_ttft_seconds",
+            "Time from forwarding to the first response byte",
+            ["replica"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "prefix_router_inflight_requests",
+            "Requests in flight per replica",
+            ["replica"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "prefix_router_retries",
+            "Requests retried on another replica before the first byte",
+            ["replica", "why"],
+            registry=r,
+        )
+        self.replica_healthy = Gauge(
+            "prefix_router_replica_healthy",
+            "1 if the replica is in rotation",
+            ["replica"],
+            registry=r,
+        )
+        self.index_blocks = Gauge(
+            "prefix_router_index_blocks",
+            "Blocks the index models per replica",
+            ["replica"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "prefix_router_redis_up",
+            "1 when shared state in Redis is in use (fleet mode)",
+            registry=r,
+        )
+        self.redis_fallbacks = Counter(
+            "prefix_router_redis_fallbacks", "Lookups answered from the local view", registry=r
+        )
+        self.client_disconnects = Counter(
+            "prefix_router_client_disconnects", "Clients that went away mid-request", registry=r
+        )

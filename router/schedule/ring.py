@@ -1,0 +1,73 @@
+"""Consistent hashing with bounded loads (Mirrokni et al.; KubeAI's CHWBL).
+
+A cold prefix goes to the replica its first block hashes to, walking clockwise past any replica
+whose load would exceed ``c x`` the mean. Every gateway that sees the same members builds the
+same ring, so a cold prefix lands on the same replica whichever gateway it reaches, and adding
+a replica moves only its share of prefixes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+import xxhash
+
+
+class HashRing:
+    def __init__(self, members: Iterable[str] = (), virtual_nodes: int = 160) -> None:
+        self.virtual_nodes = virtual_nodes
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        self.members: tuple[str, ...] = ()
+        self.set_members(members)
+
+    def set_members(self, members: Iterable[str]) -> None:
+        members = tuple(sorted(set(members)))
+        if members == self.members:
+            return
+        points = []
+        for m in members:
+            for v in range(self.virtual_nodes):
+                points.append((xxhash.xxh3_64_intdigest(f"{m}#{v}".encode()), m))
+        points.sort()
+        self._points = [p for p, _ in points]
+        self._owners = [m for _, m in points]
+        self.members = members
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Distinct members in ring order starting at ``key``'s position."""
+        n = len(self._points)
+        if n == 0:
+            return
+        start = bisect.bisect_left(self._points, key & 0xFFFFFFFFFFFFFFFF) % n
+        seen: set[str] = set()
+        for i in range(n):
+            owner = self._owners[(start + i) % n]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
+                if len(seen) == len(self.members):
+                    return
+
+    def rank(self, key: int) -> dict[str, int]:
+        """Each member's position in ``walk(key)``: a per-key, fleet-wide tie-break order."""
+        return {m: i for i, m in enumerate(self.walk(key))}
+
+    def pick(
+        self, key: int, load: Callable[[str], float], allowed: Iterable[str], c: float
+    ) -> str | None:
+        """The first member in ring order (among ``allowed``) whose load after taking this
+        request stays within ``ceil(c x mean)``; the least loaded one if none does."""
+        allowed = set(allowed)
+        if not allowed:
+            return None
+        total = sum(load(m) for m in allowed) + 1
+        bound = math.ceil(c * total / len(allowed))
+        order = [m for m in self.walk(key) if m in allowed]
+        order += sorted(allowed - set(order))  # members not on the ring yet
+        for m in order:
+            if load(m) + 1 <= bound:
+                return m
+        return min(order, key=load)

@@ -1,0 +1,74 @@
+"""Shared fixtures: the real Qwen3 tokenizer (loaded once), simulated replicas and gateways
+on loopback sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import router
+from router.prompt import Renderer
+
+TOKENIZER_DIR = str(Path(router.__file__).parent / "assets" / "tokenizers" / "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> str:
+    return TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def renderer() -> Renderer:
+    """The gateway's renderer (segment cache on)."""
+    return Renderer.from_pretrained(TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="session")
+def reference_renderer(renderer: Renderer) -> Renderer:
+    """Whole-prompt tokenization, as the simulated replicas do it."""
+    return Renderer(renderer.tokenizer, segment_cache=False)
+
+
+@pytest.fixture
+async def fleet(reference_renderer: Renderer) -> AsyncIterator[Callable[..., Awaitable[list[Any]]]]:
+    """``await fleet(n, **sim_config)`` starts n simulated replicas; all stop at teardown."""
+    from loadtest.replica import SimConfig, SimReplica
+
+    started: list[SimReplica] = []
+
+    async def start(n: int, **overrides: Any) -> list[SimReplica]:
+        out = []
+        for _ in range(n):
+            replica = SimReplica(SimConfig(**overrides), renderer=reference_renderer)
+            await replica.start()
+            started.append(replica)
+            out.append(replica)
+        return out
+
+    yield start
+    for replica in started:
+        await replica.stop()
+
+
+@pytest.fixture
+async def gateway(renderer: Renderer) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """``await gateway(replica_urls, **config)`` starts a gateway on a free loopback port."""
+    from router.app import RunningGateway, start_gateway
+    from router.config import load_config
+
+    started: list[RunningGateway] = []
+
+    async def start(urls: list[str], **overrides: Any) -> RunningGateway:
+        overrides.setdefault("health_interval_s", 0.2)
+        overrides.setdefault("metrics_interval_s", 0.2)
+        config = load_config(None, env={}, replicas=urls, **overrides)
+        running = await start_gateway(config, renderer=renderer, port=0)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        await running.stop()

@@ -1,0 +1,218 @@
+"""Unit tests of the pure pieces: block hashing, the memory index, the ring, the policies,
+the config loader."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+
+import pytest
+
+from router.blocks import block_hashes, cacheable_blocks
+from router.config import ConfigError, add_arguments, dump_yaml, load_config
+from router.index import MemoryIndex
+from router.request import RoutedRequest
+from router.schedule import Candidate, HashRing, build_policy
+
+# -- blocks ---------------------------------------------------------------------------------
+
+
+def test_only_full_blocks_are_hashed_and_chains_share_prefixes():
+    a = list(range(100))
+    b = list(range(40)) + [9999] + list(range(41, 100))
+    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    assert len(ha) == 6  # 100 // 16: the partial tail is never hashed
+    assert ha[:2] == hb[:2]  # identical up to token 40: blocks 0 and 1 shared
+    assert all(x != y for x, y in zip(ha[2:], hb[2:], strict=True))  # block 2 differs, so all after
+    assert block_hashes(a, 16, max_blocks=3) == ha[:3]
+    assert block_hashes(a[:15], 16) == []
+
+
+def test_salt_and_adapter_rekey_every_block():
+    ids = list(range(64))
+    plain = block_hashes(ids, 16)
+    salted = block_hashes(ids, 16, cache_salt="s1")
+    assert not set(plain) & set(salted)
+    assert not set(salted) & set(block_hashes(ids, 16, cache_salt="s2"))
+    assert not set(plain) & set(block_hashes(ids, 16, lora="adapter"))
+    assert salted == block_hashes(ids, 16, cache_salt="s1")
+
+
+def test_cacheable_blocks_caps_at_num_tokens_minus_one():
+    assert cacheable_blocks(32, 16) == 1  # the last token is always recomputed
+    assert cacheable_blocks(33, 16) == 2
+    assert cacheable_blocks(1, 16) == 0
+
+
+# -- memory index -----------------------------------------------------------------------------
+
+
+async def test_memory_index_leading_match_and_lru():
+    index = MemoryIndex(default_capacity=10)
+    a = block_hashes(list(range(160)), 16)  # 10 blocks
+    await index.record("r1", a[:6])
+    assert await index.match(a, ["r1", "r2"]) == {"r1": 6, "r2": 0}
+    await index.forget("r1", [a[2]])
+    assert (await index.match(a, ["r1"]))["r1"] == 2  # stops at the first miss
+    b = block_hashes([7] * 160, 16)
+    await index.record("r1", b[:8])  # over capacity: the oldest blocks go, tails first
+    assert index.size("r1") == 10
+    assert (await index.match(b, ["r1"]))["r1"] == 8
+    assert (await index.match(a, ["r1"]))["r1"] == 2  # a's head survived its tail
+    await index.set_capacity("r1", 4)
+    assert index.size("r1") == 4
+    await index.drop_replica("r1")
+    assert index.size("r1") == 0
+
+
+# -- ring -------------------------------------------------------------------------------------
+
+
+def test_ring_is_deterministic_and_moves_little_when_growing():
+    members = [f"http://r{i}" for i in range(4)]
+    r1, r2 = HashRing(members), HashRing(reversed(members))
+    keys = [random.Random(i).getrandbits(64) for i in range(2000)]
+    assert [next(r1.walk(k)) for k in keys] == [next(r2.walk(k)) for k in keys]
+    grown = HashRing(members + ["http://r4"])
+    moved = sum(next(r1.walk(k)) != next(grown.walk(k)) for k in keys)
+    assert moved < 2000 * 0.3  # about 1/5 should move; a modulo hash would move 4/5
+    owners = collections.Counter(next(r1.walk(k)) for k in keys)
+    assert min(owners.values()) > 2000 / 4 * 0.6
+
+
+def test_ring_bounded_load_walks_past_a_full_member():
+    ring = HashRing([f"http://r{i}" for i in range(4)])
+    key = 12345
+    home = next(ring.walk(key))
+    loads = collections.defaultdict(int, {home: 10})
+    pick = ring.pick(key, loads.__getitem__, ring.members, 1.25)
+    assert pick != home
+    assert ring.pick(key, collections.defaultdict(int).__getitem__, ring.members, 1.25) == home
+
+
+# -- policies ---------------------------------------------------------------------------------
+
+
+def _req(n_tokens: int, first: int = 0) -> RoutedRequest:
+    ids = [first] * n_tokens
+    return RoutedRequest(
+        request_id="r",
+        endpoint="chat",
+        model="m",
+        tenant="t",
+        body={},
+        stream=False,
+        token_ids=ids,
+        block_size=16,
+        block_hashes=block_hashes(ids, 16),
+    )
+
+
+def test_ttft_prefers_the_holder_until_its_queue_outweighs_the_prefill():
+    ring = HashRing(["a", "b", "c"])
+    policy = build_policy("ttft", ring)
+    req = _req(1600)
+    warm = [Candidate("a", matched_blocks=90), Candidate("b"), Candidate("c")]
+    d = policy.choose(req, warm)
+    assert (d.replica, d.reason, d.matched_blocks) == ("a", "prefix", 90)
+    busy = [
+        Candidate("a", matched_blocks=90, inflight=3, pending_prefill_tokens=5000),
+        Candidate("b", inflight=3),
+        Candidate("c", inflight=3),
+    ]
+    d = policy.choose(req, busy)
+    assert d.replica != "a" and d.reason == "spill"
+
+
+def test_ttft_load_bound_stops_piling_onto_one_replica():
+    ring = HashRing(["a", "b", "c", "d"])
+    policy = build_policy("ttft", ring, load_bound=1.25)
+    req = _req(1600)
+    cands = [
+        Candidate("a", matched_blocks=99, inflight=12),
+        Candidate("b", inflight=1),
+        Candidate("c", inflight=1),
+        Candidate("d", inflight=1),
+    ]
+    d = policy.choose(req, cands)
+    assert d.replica != "a"
+    assert next(s for s in d.scores if s.url == "a").filtered == "over load bound"
+
+
+def test_cold_prefixes_follow_the_ring_and_spread():
+    ring = HashRing(["a", "b", "c", "d"])
+    policy = build_policy("ttft", ring)
+    picks = collections.Counter()
+    for i in range(400):
+        d = policy.choose(_req(64, first=i), [Candidate(u) for u in "abcd"])
+        assert d.reason == "ring" and d.replica == d.ring_choice
+        picks[d.replica] += 1
+    assert len(picks) == 4 and max(picks.values()) < 200
+
+
+def test_ties_between_equal_holders_do_not_all_break_one_way():
+    ring = HashRing(["a", "b"])
+    policy = build_policy("ttft", ring)
+    picks = collections.Counter(
+        policy.choose(
+            _req(64, first=i), [Candidate("a", matched_blocks=3), Candidate("b", matched_blocks=3)]
+        ).replica
+        for i in range(200)
+    )
+    assert set(picks) == {"a", "b"}
+
+
+@pytest.mark.parametrize("name", ["round_robin", "random", "least_loaded", "consistent_hash"])
+def test_baselines_spread_and_stay_in_candidates(name):
+    policy = build_policy(name, HashRing(["a", "b", "c"]))
+    picks = collections.Counter(
+        policy.choose(_req(64, first=i), [Candidate(u) for u in "abc"]).replica for i in range(300)
+    )
+    assert set(picks) == {"a", "b", "c"}
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_config_precedence_file_env_flags(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("port: 9000\nblock_size: 32\nreplicas: [http://a:1]\npolicy: round_robin\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", str(cfg), "--port", "9100"])
+    config = load_config(
+        args,
+        env={
+            "PREFIX_ROUTER_PORT": "9050",
+            "PREFIX_ROUTER_BLOCK_SIZE": "64",
+            "PREFIX_ROUTER_REPLICAS": "http://b:1,http://c:1",
+        },
+    )
+    assert config.port == 9100  # flag beats env beats file
+    assert config.block_size == 64
+    assert config.replicas == ["http://b:1", "http://c:1"]
+    assert config.policy == "round_robin"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("bogus_key: 1\n", "unknown key"),
+        ("port: nope\n", "port must be int"),
+        ("policy: fastest\n", "unknown policy"),
+        ("replicas: [10.0.0.1:8000]\n", "http://"),
+        ("- just\n- a list\n", "mapping"),
+    ],
+)
+def test_config_errors_are_readable(tmp_path, text, message):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(argparse.Namespace(config=str(cfg)), env={})
+
+
+def test_printed_config_masks_secrets():
+    config = load_config(None, env={"PREFIX_ROUTER_SALT_SECRET": "super-secret-value-123"})
+    text = dump_yaml(config)
+    assert "super-secret-value-123" not in text and "salt_secret: '***'" in text
