@@ -33,8 +33,14 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, *, cache_salt: str | None = None,
-                 lora: str | None = None, max_blocks: int | None = None) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    cache_salt: str | None = None,
+    lora: str | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
     """Hashes of the leading full blocks of ``token_ids`` (a partial last block is never cached
     by vLLM, so it is never hashed). At most ``max_blocks`` are computed."""
     if block_size <= 0:
@@ -50,7 +56,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, cache_salt: str |
     out = []
     digest = xxhash.xxh3_64_intdigest
     for i in range(n):
-        parent = digest(buf[i * step:(i + 1) * step], seed=parent)
+        parent = digest(buf[i * step : (i + 1) * step], seed=parent)
         out.append(parent)
     return out
 

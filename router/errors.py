@@ -26,8 +26,15 @@ _TYPES = {
 class APIError(Exception):
     """An error that reaches the client as an OpenAI error body with ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,12 +43,22 @@ class APIError(Exception):
         self.type = type_ or _TYPES.get(status, "APIError")
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code if self.code else self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code else self.status,
+            }
+        }
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.Response(status=self.status, body=json.dumps(self.body()).encode(),
-                            content_type="application/json", headers=headers)
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type="application/json",
+            headers=headers,
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
