@@ -13,33 +13,55 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-import router
+from loadtest.procs import Proc, free_port, running, start, start_gateway, wait_ready
 
-TOKENIZER = str(Path(router.__file__).parent / "assets" / "tokenizers" / "qwen3")
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu", "policy", "customer", "account", "invoice", "refund", "shipping", "warranty", "ticket", "escalate"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "policy",
+    "customer",
+    "account",
+    "invoice",
+    "refund",
+    "shipping",
+    "warranty",
+    "ticket",
+    "escalate",
+]
 
 
 def text_of_tokens(n_tokens: int, rng: random.Random) -> str:
@@ -71,50 +93,6 @@ def make_bodies(
             ).encode()
         )
     return out
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    url: str
-
-    def cpu_seconds(self) -> float:
-        try:
-            fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
-        tick = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    def rss_mb(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return float("nan")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-
-
-async def wait_ready(url: str, path: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with s.get(url + path) as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url}{path} not ready after {timeout}s")
 
 
 @dataclass
@@ -175,23 +153,6 @@ async def measure(
     return res
 
 
-def start(name: str, cmd: list[str], url: str, env: dict[str, str] | None = None) -> Proc:
-    popen = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
-    )
-    return Proc(name, popen, url)
-
-
-@contextlib.contextmanager
-def processes() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    try:
-        yield procs
-    finally:
-        for p in reversed(procs):
-            p.stop()
-
-
 def peer_commands(backends: list[str], port: int) -> dict[str, list[str]]:
     """Rust peers, when installed (``pip install vllm-router sglang-router``)."""
     out = {}
@@ -244,92 +205,37 @@ async def run(a: argparse.Namespace) -> int:
             a.stream,
         )
     results: list[Result] = []
-    with processes() as procs:
-        procs.append(
-            start(
-                "backends",
-                [
-                    sys.executable,
-                    "-m",
-                    "loadtest.fake_backend",
-                    "--ports",
-                    ",".join(map(str, ports)),
-                ],
-                backends[0],
-            )
-        )
+    with running() as procs:
+        cmd = [sys.executable, "-m", "loadtest.fake_backend", "--ports", ",".join(map(str, ports))]
+        procs.append(start("backends", cmd, backends))
         for b in backends:
             await wait_ready(b, "/health")
+        shape = "cold" if a.cold else f"{a.shared_tokens} shared"
         print(
             f"{a.backends} instant backends up; {len(bodies)} distinct bodies of "
-            f"~{a.prompt_tokens} tokens ({'cold' if a.cold else f'{a.shared_tokens} shared'})",
+            f"~{a.prompt_tokens} tokens ({shape})",
             file=sys.stderr,
         )
-        results.append(
-            await measure(
-                "direct", backends, bodies, a.requests, a.throughput_requests, a.concurrency, None
-            )
-        )
+        n = (a.requests, a.throughput_requests, a.concurrency)
+        results.append(await measure("direct", backends, bodies, *n, None))
 
-        gport = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(gport),
-            "--tokenizer",
-            TOKENIZER,
-            "--log-level",
-            "warning",
-            "--policy",
-            a.policy,
-            *sum((["--replica", b] for b in backends), []),
-        ]
-        gw = start("prefix-router", cmd, f"http://127.0.0.1:{gport}")
+        gw = start_gateway(backends, "--policy", a.policy)
         procs.append(gw)
         await wait_ready(gw.url, "/ready")
-        results.append(
-            await measure(
-                f"prefix-router {a.policy}",
-                [gw.url],
-                bodies,
-                a.requests,
-                a.throughput_requests,
-                a.concurrency,
-                gw,
-            )
-        )
+        results.append(await measure(f"prefix-router {a.policy}", [gw.url], bodies, *n, gw))
 
         if a.peers:
             for name, pcmd in peer_commands(backends, free_port()).items():
                 port = pcmd[pcmd.index("--port") + 1]
-                peer = start(
-                    name,
-                    pcmd,
-                    f"http://127.0.0.1:{port}",
-                    env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
-                )
+                env = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+                peer = start(name, pcmd, [f"http://127.0.0.1:{port}"], env=env)
                 procs.append(peer)
                 try:
                     await wait_ready(peer.url, "/health", timeout=30)
                 except RuntimeError as e:
                     print(f"skipping {name}: {e}", file=sys.stderr)
                     continue
-                results.append(
-                    await measure(
-                        name,
-                        [peer.url],
-                        bodies,
-                        a.requests,
-                        a.throughput_requests,
-                        a.concurrency,
-                        peer,
-                    )
-                )
+                results.append(await measure(name, [peer.url], bodies, *n, peer))
     print_table(results, a)
     return 0
 

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,9 @@ class Gateway:
         )
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
+        self.redis: Any = None  # fleet mode: the shared client, the sync task
+        self.sync: Any = None
+        self._fallbacks_seen = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -99,6 +103,8 @@ class Gateway:
             on_event=self._on_fleet_event,
         )
         await self.fleet.start()
+        if self.config.redis_url:
+            await self._start_fleet_mode()
         self._sync_ring()
         if self.config.block_size is None:
             self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
@@ -116,20 +122,73 @@ class Gateway:
             self.block_size,
         )
 
+    async def _start_fleet_mode(self) -> None:
+        """Share the prefix map, the ring's members and the load with the other gateways
+        through Redis. Redis being down only degrades routing to this gateway's local view."""
+        from router.index.redis import RedisIndex, make_client
+        from router.index.resilient import ResilientIndex
+        from router.shared_state import FleetSync, new_gateway_id
+
+        assert self.fleet is not None and self.config.redis_url
+        model = self.fleet.base_model() or "default"
+        self.redis = make_client(self.config.redis_url)
+        capacity = self.config.capacity_blocks or 65_536
+        shared = RedisIndex(
+            self.redis, model, namespace=self.config.redis_prefix, default_capacity=capacity
+        )
+        index = ResilientIndex(
+            shared, MemoryIndex(capacity), match_timeout_s=self.config.redis_timeout_ms / 1000
+        )
+        index.on_state_change(lambda up: self.metrics.redis_up.set(1 if up else 0))
+        self.metrics.redis_up.set(1 if await index.start() else 0)
+        self.index = index
+        fleet = self.fleet
+
+        def local_load() -> dict[str, tuple[int, int]]:
+            return {u: (r.inflight, r.pending_prefill_tokens) for u, r in fleet.replicas.items()}
+
+        def on_tick(sync: FleetSync) -> None:
+            remote = sync.remote_load
+            for url, r in fleet.replicas.items():
+                r.remote_inflight, r.remote_prefill_tokens = remote.get(url, (0, 0))
+            self._sync_ring()
+
+        self.sync = FleetSync(
+            self.redis,
+            model,
+            new_gateway_id(),
+            local_load,
+            lambda: {r.url for r in fleet.healthy()},
+            namespace=self.config.redis_prefix,
+            interval_s=self.config.sync_interval_s,
+            on_tick=on_tick,
+        )
+        await self.sync.start()
+
     async def stop(self) -> None:
         self.draining = True
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.sync is not None:
+            await self.sync.stop()
         if self.fleet:
             await self.fleet.stop()
         await self.index.close()
+        if self.redis is not None:
+            await self.redis.aclose()
         if self.session:
             await self.session.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _sync_ring(self) -> None:
+        """The ring holds the replicas some gateway sees healthy (fleet mode: the same set on
+        every gateway, so cold prefixes land alike); routing still skips what this gateway
+        sees down."""
         assert self.fleet is not None
-        self.ring.set_members(r.url for r in self.fleet.healthy())
+        members = self.sync.members if self.sync is not None else None
+        if members is None:
+            members = {r.url for r in self.fleet.healthy()}
+        self.ring.set_members(members)
         for url, r in self.fleet.replicas.items():
             self.metrics.replica_healthy.labels(url).set(1 if r.healthy else 0)
 
@@ -147,17 +206,18 @@ class Gateway:
 
     # -- the request path -------------------------------------------------------------------
     async def prepare(
-        self, request: web.Request, endpoint: Endpoint, request_id: str
+        self, raw: bytes, headers: Mapping[str, str], endpoint: Endpoint, request_id: str
     ) -> RoutedRequest:
-        """Parse, identify the tenant, apply the salt policy, tokenize and hash."""
-        tenant = self.tenancy.identify(request.headers)
-        raw = await request.read()
+        """Identify the tenant, parse, apply the salt policy, tokenize and hash. Needs no
+        replica: ``prefix-router explain`` runs it offline."""
+        tenant = self.tenancy.identify(headers)
         body = parse_body(raw, endpoint)
-        assert self.fleet is not None and self.renderer is not None
+        assert self.renderer is not None
         model = body.get("model")
+        fleet = self.fleet
         if model is None:
-            model = self.fleet.base_model() or ""
-        lora = model if self.fleet.adapter_parent(model) else None
+            model = (fleet.base_model() if fleet else None) or ""
+        lora = model if fleet and fleet.adapter_parent(model) else None
 
         salt = self.tenancy.salt(
             tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
@@ -237,7 +297,7 @@ class Gateway:
 
     async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         request_id = request[REQUEST_ID]
-        rr = await self.prepare(request, endpoint, request_id)
+        rr = await self.prepare(await request.read(), request.headers, endpoint, request_id)
         assert self.fleet is not None and self.session is not None
         raw = rr.extras.get("raw")
         body = raw if raw is not None else json.dumps(rr.body).encode()
@@ -254,7 +314,10 @@ class Gateway:
             decision = await self.decide(rr, frozenset(tried))
             replica = self.fleet.replicas[decision.replica]
             self.metrics.decisions.labels(decision.policy, decision.reason).inc()
-            await self.index.record(replica.url, rr.block_hashes)
+            if self.redis is None:
+                await self.index.record(replica.url, rr.block_hashes)
+            else:  # a Redis write stays off the request's critical path
+                self._spawn(self.index.record(replica.url, rr.block_hashes))
             extra = {"x-request-id": request_id}
             if self.config.decision_headers:
                 extra["x-prefix-router-replica"] = replica.url
@@ -417,6 +480,11 @@ class Gateway:
                 await self.fleet.record_failure(replica, e.why)
         raise APIError(503, "no healthy replica is available", code="no_replica")
 
+    async def explain(self, request: web.Request) -> web.Response:
+        from router import explain
+
+        return await explain.handle(self, request, request[REQUEST_ID])
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -438,6 +506,10 @@ class Gateway:
         if self.fleet:
             for url in self.fleet.replicas:
                 self.metrics.index_blocks.labels(url).set(self.index.size(url))
+        fallbacks = getattr(self.index, "fallbacks", 0)
+        if fallbacks > self._fallbacks_seen:
+            self.metrics.redis_fallbacks.inc(fallbacks - self._fallbacks_seen)
+            self._fallbacks_seen = fallbacks
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
@@ -554,6 +626,7 @@ def build_app(
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_post("/tokenize", gateway.passthrough)
     app.router.add_post("/detokenize", gateway.passthrough)
+    app.router.add_post("/v1/route/explain", gateway.explain)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.prometheus)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from router import __version__
 from router.config import ConfigError, add_arguments, dump_yaml, load_config
@@ -74,20 +74,20 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def _delegate(module: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        import importlib
+DELEGATED = {
+    "demo": ("router.demo", "simulated replicas + the gateway vs round robin, on loopback"),
+    "replica": ("loadtest.replica", "run simulated vLLM replicas (no GPU)"),
+    "loadtest": ("loadtest.cli", "load-test replica affinity and write a report"),
+    "explain": ("router.explain", "print token ids and block hashes for request bodies"),
+    "diagnose": ("router.diagnose", "explain a low prefix-cache hit rate from captured requests"),
+}
 
-        main = importlib.import_module(module).main
-        return int(main(args.rest) or 0)
 
-    return run
+def _delegate(command: str, argv: list[str]) -> int:
+    import importlib
 
-
-def _demo(args: argparse.Namespace) -> int:
-    from router.demo import main
-
-    return main(args.rest)
+    main = importlib.import_module(DELEGATED[command][0]).main
+    return int(main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,24 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    for name, module, text in (
-        ("demo", "router.demo", "simulated replicas + the gateway vs round robin, on loopback"),
-        ("replica", "loadtest.replica", "run simulated vLLM replicas (no GPU)"),
-        ("loadtest", "loadtest.cli", "load-test replica affinity and write a report"),
-        ("explain", "router.explain", "print token ids and block hashes for request bodies"),
-        (
-            "diagnose",
-            "router.diagnose",
-            "explain a low prefix-cache hit rate from captured requests",
-        ),
-    ):
-        p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_delegate(module))
+    for name, (_, text) in DELEGATED.items():
+        # Parsed by the subcommand's own parser (see main); listed here for --help.
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        try:
+            return _delegate(argv[0], argv[1:])
+        except KeyboardInterrupt:
+            return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -104,6 +104,9 @@ class Config:
     )
     redis_prefix: str = _opt("prefix-router", "namespace prefix of every Redis key")
     redis_timeout_ms: float = _opt(10.0, "Redis lookup timeout; on timeout route locally")
+    sync_interval_s: float = _opt(
+        0.5, "seconds between publishing this gateway's load to Redis and reading the others'"
+    )
     # -- discovery
     discovery_dns: str | None = _opt(
         None, "discover replicas by resolving this DNS name (e.g. a headless Service) periodically"

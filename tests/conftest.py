@@ -72,3 +72,6 @@ async def gateway(renderer: Renderer) -> AsyncIterator[Callable[..., Awaitable[A
     yield start
     for running in started:
         await running.stop()
+
+
+from tests.redis_server import redis_server_fixture  # noqa: E402, F401  (the redis_server fixture)

@@ -1,0 +1,171 @@
+"""Micro-benchmark: PrefixIndex match/record latency, Redis vs memory, side by side.
+
+    python -m loadtest.bench_redis_index                # spawns a throwaway redis-server
+    python -m loadtest.bench_redis_index --redis-url redis://host:6379/0
+
+Each replica is pre-filled with ``--prompts`` prompts of ``--blocks`` blocks that share a
+common head (a system prompt), so that a match does real work on every candidate: the replica
+that served the prompt holds all of it, the others only the shared head. Latency is measured
+per call from the caller's coroutine (what the gateway sees), at each ``--concurrency``
+(concurrent callers on one event loop). The Redis server shares the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from router.index.base import PrefixIndex
+from router.index.memory import MemoryIndex
+from router.index.redis import RedisIndex, make_client
+from router.index.resilient import ResilientIndex
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def make_prompts(rng: random.Random, n: int, blocks: int, shared: int) -> list[list[int]]:
+    head = [rng.getrandbits(64) for _ in range(shared)]
+    return [head + [rng.getrandbits(64) for _ in range(blocks - shared)] for _ in range(n)]
+
+
+async def fill(index: PrefixIndex, replicas: list[str], prompts: list[list[int]]) -> None:
+    for i, p in enumerate(prompts):
+        await index.record(replicas[i % len(replicas)], p)
+
+
+async def timed(n: int, concurrency: int, op: Callable[[int], Awaitable[Any]]) -> list[float]:
+    lat: list[float] = []
+    it = iter(range(n))
+
+    async def worker() -> None:
+        for i in it:
+            t0 = time.perf_counter()
+            await op(i)
+            lat.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return lat
+
+
+@contextlib.contextmanager
+def redis_url(url: str | None) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    try:
+        from tests.redis_server import RedisServer
+    except ImportError:
+        sys.exit(
+            "no --redis-url given and tests/redis_server.py not importable "
+            "(run from the repository root)"
+        )
+    with RedisServer() as server:
+        yield server.url
+
+
+async def run(args: argparse.Namespace, url: str) -> None:
+    rng = random.Random(args.seed)
+    replicas = [f"http://replica-{i}:8000" for i in range(args.replicas)]
+    prompts = make_prompts(rng, args.prompts, args.blocks, args.shared)
+    client = make_client(url, max_connections=max(64, 4 * max(args.concurrency)))
+    await client.flushdb()
+    indexes: dict[str, PrefixIndex] = {
+        "memory": MemoryIndex(),
+        "redis-binary": RedisIndex(client, "bench/binary", encoding="binary"),
+        "redis-decimal": RedisIndex(client, "bench/decimal", encoding="decimal"),
+        "resilient(redis-binary)": ResilientIndex(
+            RedisIndex(client, "bench/resilient"), match_timeout_s=args.timeout_ms / 1000
+        ),
+    }
+    for index in indexes.values():
+        await fill(index, replicas, prompts)
+
+    per_replica = (args.prompts // args.replicas) * (args.blocks - args.shared) + args.shared
+    print(
+        f"{args.replicas} replicas, {args.blocks}-block prompts ({args.shared} shared), "
+        f"{args.prompts} prompts pre-filled (~{per_replica} blocks per replica), "
+        f"{args.iterations} calls per cell; latency in us"
+    )
+    header = (
+        f"{'index':<26}{'conc':>5}  {'match p50':>10}{'p99':>9}   {'record p50':>10}{'p99':>9}"
+        f"   {'local answers':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for conc in args.concurrency:
+        for name, index in indexes.items():
+            for _ in range(2):  # warm-up round (scripts, connections), then measure
+                fallbacks = getattr(index, "fallbacks", None)
+                m = await timed(
+                    args.iterations,
+                    conc,
+                    lambda i, ix=index: ix.match(prompts[(i * 7919) % len(prompts)], replicas),
+                )
+                r = await timed(
+                    args.iterations,
+                    conc,
+                    lambda i, ix=index: ix.record(
+                        replicas[i % len(replicas)], prompts[(i * 104729) % len(prompts)]
+                    ),
+                )
+            local = "-" if fallbacks is None else str(getattr(index, "fallbacks", 0) - fallbacks)
+            print(
+                f"{name:<26}{conc:>5}  {_pct(m, 0.5) * 1e6:>10.0f}{_pct(m, 0.99) * 1e6:>9.0f}"
+                f"   {_pct(r, 0.5) * 1e6:>10.0f}{_pct(r, 0.99) * 1e6:>9.0f}   {local:>13}"
+            )
+    res = indexes["resilient(redis-binary)"]
+    assert isinstance(res, ResilientIndex)
+    print(
+        f"\nresilient wrapper: {res.fallbacks} fallbacks, {res.match_timeouts} match timeouts "
+        f"(timeout {args.timeout_ms} ms), redis_up={res.redis_up}"
+    )
+
+    # Wire and memory size of the two member encodings.
+    print("\nmember encoding       bytes/block in Redis   match request bytes (250 blocks)")
+    for enc in ("binary", "decimal"):
+        ix = indexes[f"redis-{enc}"]
+        assert isinstance(ix, RedisIndex)
+        sizes = [await client.memory_usage(ix.blocks_key(r), samples=0) or 0 for r in replicas]
+        members = sum([await client.zcard(ix.blocks_key(r)) for r in replicas])
+        wire = sum(len(m) + 8 for m in ix._members(prompts[0]))  # + RESP framing per arg
+        print(f"{enc:<22}{sum(sizes) / max(1, members):>21.1f}   {wire:>33}")
+    info = await client.info("memory")
+    print(f"(redis used_memory {info['used_memory_human']})")
+    for index in indexes.values():
+        if not isinstance(index, RedisIndex):
+            await index.close()
+    await client.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis-url", help="use this Redis (default: spawn redis-server)")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=250)
+    ap.add_argument("--shared", type=int, default=100, help="leading blocks all prompts share")
+    ap.add_argument("--prompts", type=int, default=400)
+    ap.add_argument("--iterations", type=int, default=3000)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    ap.add_argument("--timeout-ms", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    with redis_url(args.redis_url) as url:
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(run(args, url))
+        else:
+            uvloop.run(run(args, url))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Why a request goes where it goes: the request path up to the decision, made visible.
+
+Online, ``POST /v1/route/explain`` takes a chat or completions body and answers with what
+the gateway computed for it, without forwarding. Offline, ``prefix-router explain`` prints the
+token ids and block hashes for request bodies, through the very same ``Gateway.prepare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.blocks import cacheable_blocks
+from router.errors import APIError, bad_request
+from router.request import Endpoint, RoutedRequest
+from router.schedule import Decision
+
+if TYPE_CHECKING:
+    from router.app import Gateway
+
+SHOWN_HASHES = 8
+
+
+def endpoint_of(body: Any, hint: str | None = None) -> Endpoint:
+    if hint in ("chat", "completions"):
+        return hint  # type: ignore[return-value]
+    if hint not in (None, ""):
+        raise bad_request("endpoint must be chat or completions", "endpoint")
+    if isinstance(body, dict) and "messages" in body:
+        return "chat"
+    if isinstance(body, dict) and "prompt" in body:
+        return "completions"
+    raise bad_request("cannot tell the endpoint: the body has neither messages nor prompt")
+
+
+def describe(
+    rr: RoutedRequest, decision: Decision | None, *, include_tokens: bool, all_hashes: bool = False
+) -> dict[str, Any]:
+    """The JSON an operator reads. Never contains the salt or any secret."""
+    hashes = rr.block_hashes if all_hashes else rr.block_hashes[:SHOWN_HASHES]
+    out: dict[str, Any] = {
+        "request_id": rr.request_id,
+        "endpoint": rr.endpoint,
+        "model": rr.model,
+        "tenant": rr.tenant,
+        "lora": rr.lora,
+        "salt_policy": rr.salt_policy,
+        "salted": rr.cache_salt is not None,
+        "prompt_tokens": rr.num_tokens,
+        "block_size": rr.block_size,
+        "full_blocks": rr.num_tokens // rr.block_size,
+        "cacheable_blocks": cacheable_blocks(rr.num_tokens, rr.block_size),
+        "hashed_blocks": len(rr.block_hashes),
+        "block_hashes": [f"{h:016x}" for h in hashes],
+    }
+    if include_tokens:
+        out["token_ids"] = rr.token_ids
+    if decision is not None:
+        out["policy"] = decision.policy
+        out["decision"] = {
+            "replica": decision.replica,
+            "reason": decision.reason,
+            "why": _why(decision),
+            "predicted_cached_blocks": decision.matched_blocks,
+            "predicted_cached_tokens": decision.matched_blocks * rr.block_size,
+            "ring_choice": decision.ring_choice,
+        }
+        out["candidates"] = [
+            {
+                "replica": s.url,
+                "matched_blocks": s.matched_blocks,
+                "load": s.load,
+                "uncached_tokens": s.uncached_tokens,
+                "queue_tokens": s.queue_tokens,
+                "estimated_cost_tokens": s.cost,
+                "filtered": s.filtered,
+                "chosen": s.url == decision.replica,
+            }
+            for s in decision.scores
+        ]
+    return out
+
+
+def _why(d: Decision) -> str:
+    return {
+        "prefix": "the replica holding the longest prefix has the lowest estimated TTFT",
+        "spill": "a replica holding more of the prefix is too busy (its queue or the load "
+        "bound outweighs the prefill saved); this one finishes the prefill sooner",
+        "ring": "no replica holds any block of this prefix: its ring owner (bounded loads)",
+    }.get(d.reason, f"the {d.policy} baseline policy")
+
+
+def check_admin(request: web.Request, admin_key: str | None, *, required: bool) -> None:
+    """Admin endpoints take ``X-Admin-Key``; with no admin key configured, ``required``
+    endpoints are off and the others open."""
+    if not admin_key:
+        if required:
+            raise APIError(404, "this admin endpoint is off: configure admin_key to enable it")
+        return
+    given = request.headers.get("X-Admin-Key", "")
+    if not hmac.compare_digest(given.encode(), admin_key.encode()):
+        raise APIError(
+            401, "admin endpoints need a valid X-Admin-Key header", code="invalid_admin_key"
+        )
+
+
+async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web.Response:
+    check_admin(request, gateway.config.admin_key, required=False)
+    raw = await request.read()
+    try:
+        peek = json.loads(raw) if raw.strip() else None
+    except ValueError:
+        peek = None  # prepare() reports the JSON error in the usual shape
+    hint = request.query.get("endpoint") or request.headers.get("X-Prefix-Router-Endpoint")
+    endpoint = endpoint_of(peek, hint) if peek is not None else "chat"
+    rr = await gateway.prepare(raw, request.headers, endpoint, request_id)
+    decision = await gateway.decide(rr)
+    include = request.query.get("token_ids", "").lower() in ("1", "true", "yes")
+    body = describe(
+        rr,
+        decision,
+        include_tokens=include,
+        all_hashes=request.query.get("all_hashes", "") in ("1", "true"),
+    )
+    return web.json_response(body)
+
+
+# -- offline ----------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="prefix-router explain",
+        description="Print, for each request body (one JSON object per line), the prompt token "
+        "ids and leading block hashes the gateway computes: the same rendering, tokenization, "
+        "salt policy and hashing as the live path. No replica is needed.",
+    )
+    p.add_argument(
+        "file",
+        nargs="?",
+        default="-",
+        help="JSON-lines file of request bodies (default: standard input)",
+    )
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory or cached model id")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--config", help="gateway config file (for salt policy, tenants)")
+    p.add_argument("--tenant-key", help="an API key, to explain as that tenant would be")
+    p.add_argument(
+        "--all-hashes", action="store_true", help=f"every block hash, not the first {SHOWN_HASHES}"
+    )
+    a = p.parse_args(argv)
+
+    from router.app import Gateway, load_renderer
+    from router.config import ConfigError, load_config
+
+    try:
+        config = load_config(
+            argparse.Namespace(config=a.config), tokenizer=a.tokenizer, block_size=a.block_size
+        )
+        gateway = Gateway(config, load_renderer(a.tokenizer, None))
+    except ConfigError as e:
+        print(f"prefix-router explain: {e}", file=sys.stderr)
+        return 2
+    headers = {"Authorization": f"Bearer {a.tenant_key}"} if a.tenant_key else {}
+    stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
+    failures = 0
+    with stream:
+        for n, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                endpoint = endpoint_of(json.loads(line))
+                rr = asyncio.run(
+                    gateway.prepare(
+                        line.encode(), headers, endpoint, f"line-{n}-{uuid.uuid4().hex[:6]}"
+                    )
+                )
+                out = describe(rr, None, include_tokens=True, all_hashes=a.all_hashes)
+                out = {
+                    "line": n,
+                    "token_ids": out.pop("token_ids"),
+                    "block_hashes": out.pop("block_hashes"),
+                    **out,
+                }
+            except ValueError as e:
+                out, failures = {"line": n, "error": f"not JSON: {e}"}, failures + 1
+            except APIError as e:
+                out, failures = {"line": n, "error": e.message, "param": e.param}, failures + 1
+            print(json.dumps(out), flush=True)
+    return 1 if failures else 0

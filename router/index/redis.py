@@ -1,0 +1,308 @@
+"""``PrefixIndex`` in Redis, shared by every gateway in front of the same fleet.
+
+Key layout (``ns`` is the namespace, default ``prefix-router``; ``model`` is hash-tagged so that
+every key of one model, and so every key a script touches, lives in one Redis Cluster slot)::
+
+    {ns}:{<model>}:blocks:<replica>   ZSET   member = block hash, score = recency (higher =
+                                             more recent); at most the replica's capacity
+                                             members; PEXPIRE ttl, refreshed on every record
+    {ns}:{<model>}:cap:<replica>      STRING the replica's capacity in blocks (set_capacity);
+                                             PEXPIRE ttl, refreshed on every record
+
+Members are the 64-bit hash as 8 little-endian bytes (``encoding="binary"``, the default) or
+as its decimal string (``encoding="decimal"``); binary is ~2.5x smaller on the wire and in
+Redis and lets a whole prompt travel as one 8*n-byte argument (see docs/redis.md for figures).
+
+Recency: a record gives its blocks the scores ``top+1 .. top+n`` where ``top`` is the key's
+current highest score, last block lowest, so block 0 is the most recent (exactly the order
+``MemoryIndex`` keeps). Scores are per key, so no shared clock is needed and gateways with
+skewed clocks agree; the LRU trim is ``ZREMRANGEBYRANK key 0 -(cap+1)``.
+
+Match: one ``EVALSHA`` for all candidate replicas. Because block i's hash chains over blocks
+0..i-1 and every record touches a prompt's blocks tail first, a block is never more recent
+than its ancestors, so LRU trimming evicts descendants first and "holds block i" implies
+"holds blocks 0..i-1". The script therefore finds each replica's leading run by binary search
+(probe block 0, then the last block, then bisect): O(log n) ``ZSCORE`` per replica instead of
+n. The assumption can break only through ``forget`` of a middle block (or a TTL'd key being
+rebuilt partially): a hole in the middle of a run can then make the search report a longer
+(or shorter) run than a linear scan would. That is a misprediction, not a correctness bug:
+the request still succeeds on whatever replica it lands, and the response's ``cached_tokens``
+tells the gateway the real hit, which it feeds back through ``forget``/``record`` so the
+index converges.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from router.index.memory import DEFAULT_CAPACITY_BLOCKS
+
+DEFAULT_NAMESPACE = "prefix-router"
+DEFAULT_TTL_S = 24 * 3600.0
+
+Encoding = Literal["binary", "decimal"]
+
+# Redis's Lua caps unpack() by its C stack (LUAI_MAXCSTACK = 8000); stay well below it.
+_CHUNK = 1000
+
+# Per-encoding preamble: defines n (number of hashes, starting at ARGV[first]) and m(i), the
+# member for 1-based block i.
+_MEMBERS = {
+    "binary": """
+local blob = ARGV[{first}]
+local n = #blob / 8
+local function m(i) return string.sub(blob, 8 * i - 7, 8 * i) end
+""",
+    "decimal": """
+local n = #ARGV - {first} + 1
+local function m(i) return ARGV[{first} + i - 1] end
+""",
+}
+
+# KEYS: one blocks zset per candidate replica. ARGV: the prompt's block hashes.
+# Returns, per key, the number of leading blocks held (binary search; see module doc).
+_MATCH = """
+local out = {{}}
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local got = 0
+  if n > 0 and redis.call('ZSCORE', key, m(1)) then
+    if redis.call('ZSCORE', key, m(n)) then
+      got = n
+    else
+      -- blocks 1..lo are held, block hi+1 is not
+      local lo, hi = 1, n - 1
+      while lo < hi do
+        local mid = math.floor((lo + hi + 1) / 2)
+        if redis.call('ZSCORE', key, m(mid)) then lo = mid else hi = mid - 1 end
+      end
+      got = lo
+    end
+  end
+  out[k] = got
+end
+return out
+"""
+
+# KEYS[1] blocks zset, KEYS[2] capacity. ARGV[1] capacity to use if none stored, ARGV[2] '1'
+# if that capacity is known (set_capacity'd by this gateway: store it back, e.g. after a Redis
+# restart), ARGV[3] ttl ms, then the hashes. Returns the key's cardinality after the trim.
+_RECORD = """
+local ttl = ARGV[3]
+local cap = tonumber(redis.call('GET', KEYS[2]))
+if cap then
+  redis.call('PEXPIRE', KEYS[2], ttl)
+else
+  cap = tonumber(ARGV[1])
+  if ARGV[2] == '1' then redis.call('SET', KEYS[2], ARGV[1], 'PX', ttl) end
+end
+local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+local base = tonumber(top[2]) or 0
+local args, j = {{}}, 0
+for i = n, 1, -1 do
+  args[j + 1] = base + n - i + 1
+  args[j + 2] = m(i)
+  j = j + 2
+  if j >= {chunk} then
+    redis.call('ZADD', KEYS[1], unpack(args, 1, j))
+    j = 0
+  end
+end
+if j > 0 then redis.call('ZADD', KEYS[1], unpack(args, 1, j)) end
+local card = redis.call('ZCARD', KEYS[1])
+if card > cap then
+  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, card - cap - 1)
+  card = cap
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+return card
+"""
+
+# KEYS[1] blocks zset. ARGV: the hashes to remove. Returns the cardinality left.
+_FORGET = """
+local args, j = {{}}, 0
+for i = 1, n do
+  j = j + 1
+  args[j] = m(i)
+  if j >= {chunk} then
+    redis.call('ZREM', KEYS[1], unpack(args, 1, j))
+    j = 0
+  end
+end
+if j > 0 then redis.call('ZREM', KEYS[1], unpack(args, 1, j)) end
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# KEYS[1] blocks zset, KEYS[2] capacity. ARGV[1] capacity, ARGV[2] ttl ms.
+# Stores the capacity and trims to it; returns the cardinality left.
+_SET_CAPACITY = """
+local cap = tonumber(ARGV[1])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+local card = redis.call('ZCARD', KEYS[1])
+if card > cap then
+  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, card - cap - 1)
+  card = cap
+end
+return card
+"""
+
+
+def _script(body: str, encoding: Encoding, first: int) -> str:
+    return _MEMBERS[encoding].format(first=first) + body.format(chunk=_CHUNK)
+
+
+def model_tag(model: str) -> str:
+    """``model`` made safe inside a ``{...}`` hash tag: braces (and ``%``) are percent-encoded
+    so the tag always spans the whole model name and is never empty."""
+    if not model:
+        raise ValueError("model must be non-empty")
+    return model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
+def key_prefix(namespace: str, model: str) -> str:
+    """``{namespace}:{<model>}:``, the prefix of every key for ``model``."""
+    if not namespace or "{" in namespace or "}" in namespace:
+        raise ValueError("namespace must be non-empty and contain no braces")
+    return f"{namespace}:{{{model_tag(model)}}}:"
+
+
+def make_client(
+    url: str,
+    *,
+    socket_timeout: float = 1.0,
+    connect_timeout: float = 0.5,
+    max_connections: int | None = 64,
+    **kwargs: Any,
+) -> Redis:
+    """A ``redis.asyncio.Redis`` suited to the router: no client-side retries (redis-py's
+    default retries with backoff would hold a request for seconds when Redis is down; the
+    resilient wrapper does the failing over), short socket timeouts, bounded pool."""
+    return Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        retry=Retry(NoBackoff(), 0),
+        max_connections=max_connections,
+        **kwargs,
+    )
+
+
+class RedisIndex:
+    """``PrefixIndex`` over ``redis.asyncio.Redis`` (standalone or hash-tag-compatible
+    Cluster). Every method is one round trip (after the scripts are cached server-side)."""
+
+    def __init__(
+        self,
+        client: Redis,
+        model: str,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
+        ttl_s: float = DEFAULT_TTL_S,
+        encoding: Encoding = "binary",
+        owns_client: bool = False,
+    ) -> None:
+        if encoding not in _MEMBERS:
+            raise ValueError(f"encoding must be 'binary' or 'decimal', not {encoding!r}")
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self.client = client
+        self.model = model
+        self.namespace = namespace
+        self.prefix = key_prefix(namespace, model)
+        self.default_capacity = max(1, default_capacity)
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.encoding: Encoding = encoding
+        self.owns_client = owns_client
+        # Capacities this gateway set: passed to the record script so a Redis that lost them
+        # (restart) gets them back on the next record.
+        self._capacity: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
+        self._match = client.register_script(_script(_MATCH, encoding, 1))
+        self._record = client.register_script(_script(_RECORD, encoding, 4))
+        self._forget = client.register_script(_script(_FORGET, encoding, 1))
+        self._set_capacity = client.register_script(_SET_CAPACITY)
+
+    @classmethod
+    def from_url(cls, url: str, model: str, **kwargs: Any) -> RedisIndex:
+        """An index owning its own client (closed by ``close``); see ``make_client``."""
+        client_kwargs = {
+            k: kwargs.pop(k)
+            for k in ("socket_timeout", "connect_timeout", "max_connections")
+            if k in kwargs
+        }
+        return cls(make_client(url, **client_kwargs), model, owns_client=True, **kwargs)
+
+    # keys -------------------------------------------------------------------------------
+
+    def blocks_key(self, replica: str) -> str:
+        return f"{self.prefix}blocks:{replica}"
+
+    def capacity_key(self, replica: str) -> str:
+        return f"{self.prefix}cap:{replica}"
+
+    def _members(self, block_hashes: Sequence[int]) -> list[bytes | str]:
+        if self.encoding == "binary":
+            return [struct.pack(f"<{len(block_hashes)}Q", *block_hashes)]
+        return [str(h) for h in block_hashes]
+
+    # PrefixIndex --------------------------------------------------------------------------
+
+    async def match(self, block_hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+        if not replicas:
+            return {}
+        if not block_hashes:
+            return dict.fromkeys(replicas, 0)
+        keys = [self.blocks_key(r) for r in replicas]
+        counts = await self._match(keys=keys, args=self._members(block_hashes))
+        return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
+
+    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+        if not block_hashes:
+            return
+        known = self._capacity.get(replica)
+        cap = known if known is not None else self.default_capacity
+        args: list[Any] = [cap, 1 if known is not None else 0, self.ttl_ms]
+        args += self._members(block_hashes)
+        card = await self._record(
+            keys=[self.blocks_key(replica), self.capacity_key(replica)], args=args
+        )
+        self._sizes[replica] = int(card)
+
+    async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:
+        if not block_hashes:
+            return
+        card = await self._forget(keys=[self.blocks_key(replica)], args=self._members(block_hashes))
+        self._sizes[replica] = int(card)
+
+    async def set_capacity(self, replica: str, blocks: int) -> None:
+        blocks = max(1, int(blocks))
+        self._capacity[replica] = blocks
+        card = await self._set_capacity(
+            keys=[self.blocks_key(replica), self.capacity_key(replica)], args=[blocks, self.ttl_ms]
+        )
+        self._sizes[replica] = int(card)
+
+    async def drop_replica(self, replica: str) -> None:
+        self._capacity.pop(replica, None)
+        self._sizes.pop(replica, None)
+        await self.client.delete(self.blocks_key(replica), self.capacity_key(replica))
+
+    def size(self, replica: str) -> int:
+        """Blocks modelled for ``replica`` as of this gateway's last write to it (other
+        gateways' records since then are not counted): approximate, for metrics."""
+        return self._sizes.get(replica, 0)
+
+    async def ping(self) -> bool:
+        """One round trip; raises when Redis is unreachable (used by ``ResilientIndex``)."""
+        return bool(await self.client.ping())
+
+    async def close(self) -> None:
+        if self.owns_client:
+            await self.client.aclose()
