@@ -191,8 +191,11 @@ class RedisServer:
 
 @pytest.fixture(name="redis_server")
 def redis_server_fixture() -> Iterator[RedisServer]:
-    """A fresh, empty redis-server per test (skips when the binary is missing)."""
+    """A fresh, empty redis-server per test. Without the binary the test is skipped, unless
+    ``PREFIX_ROUTER_REQUIRE_REDIS=1`` (as in CI), where a missing binary is a failure."""
     if find_redis_server() is None:
+        if os.environ.get("PREFIX_ROUTER_REQUIRE_REDIS") == "1":
+            pytest.fail(f"redis-server not installed (set ${ENV_BINARY})")
         pytest.skip(f"redis-server not installed (set ${ENV_BINARY})")
     with RedisServer() as server:
         yield server

@@ -216,3 +216,20 @@ def test_printed_config_masks_secrets():
     config = load_config(None, env={"PREFIX_ROUTER_SALT_SECRET": "super-secret-value-123"})
     text = dump_yaml(config)
     assert "super-secret-value-123" not in text and "salt_secret: '***'" in text
+
+
+def test_conversations_behind_one_shared_system_prompt_spread():
+    # Every replica holds the shared 32-block system prompt; what follows differs per
+    # conversation. Ties must break by the first unshared block, not all toward one replica.
+    ring = HashRing(["a", "b", "c", "d"])
+    policy = build_policy("ttft", ring)
+    picks = collections.Counter()
+    for i in range(200):
+        ids = [7] * 512 + [i] * 256
+        req = RoutedRequest(request_id="r", endpoint="completions", model="m", tenant="t",
+                            body={}, stream=False, token_ids=ids, block_size=16,
+                            block_hashes=block_hashes(ids, 16))
+        d = policy.choose(req, [Candidate(u, matched_blocks=32) for u in "abcd"])
+        assert d.matched_blocks == 32 and d.reason == "prefix"
+        picks[d.replica] += 1
+    assert len(picks) == 4 and max(picks.values()) < 100, picks

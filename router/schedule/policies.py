@@ -69,6 +69,13 @@ class Policy(Protocol):
     def choose(self, req: RoutedRequest, candidates: Sequence[Candidate]) -> Decision: ...
 
 
+def tie_key(req: RoutedRequest, held_blocks: int) -> int:
+    """The ring key of the first block past ``held_blocks`` (the last block if none is)."""
+    if held_blocks and req.block_hashes:
+        return req.block_hashes[min(held_blocks, len(req.block_hashes) - 1)]
+    return routing_key(req)
+
+
 def routing_key(req: RoutedRequest) -> int:
     """The ring key: block 0's hash (salted, adapter-keyed), or for a prompt shorter than one
     block a hash of its tokens, so short prompts spread too."""
@@ -128,9 +135,15 @@ class TTFTPolicy:
 
         best_match = max(s.matched_blocks for s in scores)
         eligible = [s for s in scores if s.filtered is None]
+        best_eligible = max(s.matched_blocks for s in eligible)
+        # The ring key is the first block the eligible replicas do not all hold: for a fully
+        # cold prompt that is block 0; when every replica holds a shared system prompt, it is
+        # the first block after it, so conversations behind one system prompt still spread
+        # (and land alike on every gateway) instead of all breaking ties the same way.
+        key = tie_key(req, best_eligible)
         loads = {c.url: c.load for c in candidates}
         ring_choice = self.ring.pick(key, loads.__getitem__, [s.url for s in eligible], self.c)
-        if best_match == 0 or max(s.matched_blocks for s in eligible) == 0:
+        if best_eligible == 0:
             # Cold everywhere it may go: the ring decides, the same on every gateway.
             assert ring_choice is not None
             chosen = next(s for s in scores if s.url == ring_choice)

@@ -1,0 +1,329 @@
+"""Write a run's (or a comparison's) report directory.
+
+``write_report(results, out_dir)`` writes:
+
+- ``summary.md``: one table over all runs (fleet hit rate from the replicas' counters, ideal
+  hit rate, their ratio, TTFT / end-to-end percentiles, load balance, errors, lost requests),
+  a per-replica table per run, warnings and the plots;
+- ``summary.json``: the same figures, machine-readable;
+- ``requests.jsonl``: one JSON object per request (field ``run`` = the run's label);
+- ``ttft_cdf.png`` (TTFT and end-to-end latency CDFs per run), ``hit_rate_per_replica.png``,
+  ``timeline.png`` (per request: send time vs the replica that served it, coloured by prefix
+  group; one panel per run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loadtest.runner import RunResult
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(d: dict[str, float], key: str) -> str:
+    v = d.get(key)
+    return "n/a" if v is None else f"{1000 * v:.1f}"
+
+
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _short(url: str) -> str:
+    return url.replace("http://", "").replace("https://", "")
+
+
+def summary_table(results: Sequence[RunResult]) -> str:
+    head = (
+        "| run | sent | ok | lost | errors | fleet hit | ideal hit | fleet/ideal | "
+        "TTFT p50 ms | p90 | p99 | E2E p50 ms | p90 | p99 | req max/mean | "
+        "prefill max/mean | req/s |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        b = r.balance()
+        errs = ", ".join(f"{k}: {v}" for k, v in r.errors_by_status.items()) or "0"
+        t, e = r.ttft, r.latency
+        lines.append(
+            f"| {r.label} | {r.sent} | {r.ok} | {r.lost} | {errs} | {_pct(r.fleet_hit_rate)} | "
+            f"{_pct(r.ideal_hit_rate)} | {_num(r.hit_ratio)} | {_ms(t, 'p50')} | "
+            f"{_ms(t, 'p90')} | {_ms(t, 'p99')} | {_ms(e, 'p50')} | {_ms(e, 'p90')} | "
+            f"{_ms(e, 'p99')} | {_num(b['requests_max_over_mean'])} | "
+            f"{_num(b['prefill_max_over_mean'])} | {r.throughput_rps:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def replica_table(r: RunResult) -> str:
+    lines = [
+        "| replica | requests | hit rate | queried tokens | hit tokens | prefilled tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in r.replica_rows():
+        lines.append(
+            f"| {_short(row.url)} | {row.requests} | {_pct(row.hit_rate)} | "
+            f"{row.queries:,.0f} | {row.hits:,.0f} | {row.prefilled_tokens:,.0f} |"
+            if row.metrics_ok
+            else f"| {_short(row.url)} | {row.requests} | n/a (no metrics) | | | |"
+        )
+    return "\n".join(lines)
+
+
+def render_summary(
+    results: Sequence[RunResult],
+    *,
+    title: str | None = None,
+    plots: Sequence[str] = (),
+    notes: Sequence[str] = (),
+) -> str:
+    first = results[0]
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    out = [f"# Load test: {title or ', '.join(workloads)}", ""]
+    out.append(
+        f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} by "
+        "`python -m loadtest`."
+    )
+    out.append("")
+    descs = dict.fromkeys(r.workload_description for r in results)
+    for d in descs:
+        out.append(f"- Workload: {d}")
+    out.append(
+        f"- Seed {first.seed}; concurrency {first.concurrency}; max requests "
+        f"{first.max_requests if first.max_requests is not None else 'all'}; max "
+        f"{first.max_seconds:g} s; {'streaming' if first.stream else 'non-streaming'}; "
+        f"block size {first.block_size}."
+    )
+    for r in results:
+        out.append(
+            f"- `{r.label}`: {r.target}; workload `{r.workload}`; "
+            f"{r.duration_s:.1f} s from {r.started_at}."
+        )
+    out.extend(f"- {n}" for n in notes)
+    warns = dict.fromkeys(w for r in results for w in r.warnings)
+    if warns:
+        out.append("")
+        for w in warns:
+            out.append(f"> **Warning:** {w}")
+            out.append(">")
+        out.pop()
+    out += ["", "## Results", "", summary_table(results), ""]
+    out.append(
+        "fleet hit = Δ`vllm:prefix_cache_hits_total` / Δ`vllm:prefix_cache_queries_total` summed "
+        "over the replicas' own counters during the run (tokens). ideal hit = the same requests' "
+        "token ids, in send order, through one unlimited cache with vLLM's rules (full blocks "
+        "from block 0, hit capped at num_tokens − 1, answers cached at completion). TTFT is "
+        "measured client-side (first streamed token). lost = sent − any HTTP response; it must "
+        "be 0. max/mean = the busiest replica's share over the average (1.00 = even)."
+    )
+    client = [r for r in results if r.client_hit_rate is not None]
+    if client:
+        out += [
+            "",
+            "Client-reported hit rate (Σ usage cached_tokens / Σ prompt_tokens): "
+            + ", ".join(f"`{r.label}` {_pct(r.client_hit_rate)}" for r in client)
+            + ".",
+        ]
+    out += ["", "## Per replica", ""]
+    for r in results:
+        out += [f"### {r.label}", "", replica_table(r), ""]
+    errs = [r for r in results if r.errors_by_status]
+    if errs:
+        out += ["## Errors", ""]
+        for r in errs:
+            samples = dict.fromkeys(x.error for x in r.records if x.error)
+            out.append(
+                f"- `{r.label}`: {r.errors_by_status}; e.g. "
+                + "; ".join(f"`{s}`" for s in list(samples)[:3])
+            )
+        out.append("")
+    if plots:
+        out += ["## Plots", ""]
+        out += [f"![{p}]({p})" for p in plots]
+        out.append("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdfs(results: Sequence[RunResult], path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, attr, title in (
+        (axes[0], "ttft_s", "Time to first token (client-side)"),
+        (axes[1], "latency_s", "End-to-end latency"),
+    ):
+        for r in results:
+            vals = sorted(
+                1000 * getattr(x, attr) for x in r.records if x.ok and getattr(x, attr) is not None
+            )
+            if not vals:
+                continue
+            ys = [(i + 1) / len(vals) for i in range(len(vals))]
+            ax.step(vals, ys, where="post", label=f"{r.label} (n={len(vals)})")
+        ax.set_title(title)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, alpha=0.3)
+        if ax.has_data():
+            ax.set_xscale("log")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_hit_rates(results: Sequence[RunResult], path: Path) -> None:
+    plt = _plt()
+    n_rep = max((len(r.replica_rows()) for r in results), default=0)
+    fig, ax = plt.subplots(
+        figsize=(max(8.0, 1.0 * n_rep * max(1, len(results)) + 2), 4.5 + 0.25 * len(results))
+    )
+    width = 0.8 / max(1, len(results))
+    for k, r in enumerate(results):
+        rows = r.replica_rows()
+        xs = [i + k * width for i in range(len(rows))]
+        ys = [100 * (row.hit_rate or 0.0) for row in rows]
+        lab = f"{r.label}: fleet {_pct(r.fleet_hit_rate)}, ideal {_pct(r.ideal_hit_rate)}"
+        bars = ax.bar(xs, ys, width, label=lab)
+        ax.bar_label(
+            bars,
+            labels=[
+                f"{y:.0f}%" if row.metrics_ok else "n/a" for y, row in zip(ys, rows, strict=True)
+            ],
+            fontsize=7,
+        )
+        if r.ideal_hit_rate is not None:
+            ax.hlines(
+                100 * r.ideal_hit_rate,
+                xs[0] - width / 2 if xs else 0,
+                xs[-1] + width / 2 if xs else 1,
+                colors=bars.patches[0].get_facecolor() if bars.patches else "k",
+                linestyles="dashed",
+                linewidth=1,
+            )
+    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(n_rep)])
+    ax.set_xticklabels([f"replica {i}" for i in range(n_rep)])
+    ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Hit rate per replica (bars; dashed = ideal)")
+    ax.legend(
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.1),
+        ncol=1 if len(results) > 3 else len(results),
+    )
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(results: Sequence[RunResult], path: Path, *, max_colours: int = 10) -> None:
+    """Send time x serving replica per request, coloured by prefix group. With more than
+    ``max_colours`` groups only the busiest ``max_colours`` get colours (and the legend); the
+    rest are small grey dots."""
+    plt = _plt()
+    n = len(results)
+    fig, axes = plt.subplots(n, 1, figsize=(11, 2.2 + 1.6 * n), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        replicas = [row.url for row in r.replica_rows()]
+        idx = {u: i for i, u in enumerate(replicas)}
+        sent = [x for x in r.records if x.sent_s is not None]
+        counts = Counter(x.group for x in sent)
+        top = [g for g, _ in counts.most_common(max_colours)]
+        colour = {g: cmap(i % 10) for i, g in enumerate(top)}
+        unserved = any((x.replica or "").rstrip("/") not in idx for x in sent)
+        offset = 1 if unserved else 0
+        grey = [x for x in sent if x.group not in colour]
+        if grey:
+            ax.scatter(
+                [x.sent_s for x in grey],
+                [idx.get((x.replica or "").rstrip("/"), -1) + offset for x in grey],
+                s=5,
+                color="0.75",
+                label=f"other groups ({len(counts) - len(top)})",
+            )
+        for g in top:
+            xs = [x for x in sent if x.group == g]
+            ax.scatter(
+                [x.sent_s for x in xs],
+                [idx.get((x.replica or "").rstrip("/"), -1) + offset for x in xs],
+                s=16,
+                color=colour[g],
+                label=f"{g} ({counts[g]})",
+            )
+        labels = [f"r{i} {_short(u)}" for i, u in enumerate(replicas)]
+        ax.set_yticks(range(len(replicas) + offset))
+        ax.set_yticklabels((["no response"] if unserved else []) + labels, fontsize=7)
+        ax.set_ylim(-0.5, len(replicas) + offset - 0.5)
+        busiest = " (colours: the 10 busiest)" if len(counts) > max_colours else ""
+        ax.set_title(
+            f"{r.label}: replica serving each request, colour = prefix group; "
+            f"{len(counts)} groups{busiest}",
+            fontsize=9,
+        )
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes[-1, 0].set_xlabel("send time (s from start)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTS = {
+    "ttft_cdf.png": plot_cdfs,
+    "hit_rate_per_replica.png": plot_hit_rates,
+    "timeline.png": plot_timeline,
+}
+
+
+def write_report(
+    results: Sequence[RunResult],
+    out_dir: str | Path,
+    *,
+    title: str | None = None,
+    notes: Sequence[str] = (),
+    plots: bool = True,
+) -> Path:
+    """Write the report directory for ``results`` (one run, or several to compare)."""
+    if not results:
+        raise ValueError("no results to report")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "requests.jsonl").open("w") as f:
+        for r in results:
+            for rec in r.records:
+                f.write(json.dumps({"run": r.label, **rec.to_json()}) + "\n")
+    (out / "summary.json").write_text(
+        json.dumps({"runs": [r.summary() for r in results]}, indent=2, default=str) + "\n"
+    )
+    made = []
+    if plots:
+        for name, fn in PLOTS.items():
+            fn(results, out / name)
+            made.append(name)
+    (out / "summary.md").write_text(
+        render_summary(results, title=title, plots=made, notes=notes) + "\n"
+    )
+    return out

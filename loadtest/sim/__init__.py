@@ -1,0 +1,1 @@
+"""Internals of the simulated vLLM replica; the public API is ``loadtest.replica``."""

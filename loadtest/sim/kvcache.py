@@ -1,0 +1,199 @@
+"""vLLM's prefix cache, reimplemented as the ground truth the router is tested against.
+
+Deliberately independent of ``router.blocks``: the router's fast XXH3 chain must make the same
+sharing decisions as this, and a test can only show that if the two are written separately.
+
+What is reproduced (vLLM v1, ``vllm/v1/core/kv_cache_utils.py`` and ``block_pool.py``):
+
+* block hash = ``sha256(pickle((parent_hash, tuple(block_token_ids), extra_keys_or_None)))``,
+  the root parent being ``sha256(pickle("vllm-none-hash"))``;
+* extra keys: ``("lora", name)`` on every block of an adapter request, ``("cache_salt", salt)``
+  on block 0 only (the chain carries it to every later block);
+* only full blocks are hashed; a hash may be held by several physical blocks at once;
+* lookup: the longest run from block 0, stopping at the first miss;
+* a free queue in LRU order: freed blocks go to the tail (callers pass them tail-first, as vLLM
+  frees ``reversed(request_blocks)``), allocation pops the head and drops that block's hash,
+  a cache hit on a free block takes it out of the queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+NONE_HASH: bytes = hashlib.sha256(
+    pickle.dumps("vllm-none-hash", protocol=pickle.HIGHEST_PROTOCOL)
+).digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple | None) -> bytes:
+    """One block's hash, vLLM's ``sha256`` algorithm (pickle + SHA-256)."""
+    data = pickle.dumps((parent, tuple(token_ids), extra_keys), protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.sha256(data).digest()
+
+
+def extra_keys(
+    block_index: int, *, lora: str | None = None, cache_salt: str | None = None
+) -> tuple | None:
+    keys: list[tuple[str, str]] = []
+    if lora:
+        keys.append(("lora", lora))
+    if block_index == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def extend_hashes(
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+    upto_blocks: int | None = None,
+) -> list[bytes]:
+    """Append to ``hashes`` the hashes of the next full blocks of ``token_ids`` (all of them,
+    or up to ``upto_blocks`` in total). Returns ``hashes``."""
+    n = len(token_ids) // block_size
+    if upto_blocks is not None:
+        n = min(n, upto_blocks)
+    parent = hashes[-1] if hashes else NONE_HASH
+    for i in range(len(hashes), n):
+        parent = hash_block(
+            parent,
+            token_ids[i * block_size : (i + 1) * block_size],
+            extra_keys(i, lora=lora, cache_salt=cache_salt),
+        )
+        hashes.append(parent)
+    return hashes
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+) -> list[bytes]:
+    """Hashes of every full block of ``token_ids``."""
+    return extend_hashes([], token_ids, block_size, lora=lora, cache_salt=cache_salt)
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class BlockPool:
+    """A fixed pool of KV blocks with vLLM's caching and eviction rules."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free queue, head = least recently used. OrderedDict gives O(1) removal from the middle.
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, dict[int, Block]] = {}
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks currently holding a hash (in use or free)."""
+        return sum(len(v) for v in self._cached.values())
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def free_order(self) -> list[int]:
+        """Block ids of the free queue, head (next to evict) first. For tests."""
+        return list(self._free)
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        return block_hash in self._cached
+
+    def lookup(self, hashes: Sequence[bytes], max_blocks: int) -> list[Block]:
+        """The longest cached run of ``hashes`` from block 0, at most ``max_blocks`` long."""
+        hit: list[Block] = []
+        cached = self._cached
+        for h in hashes[:max_blocks]:
+            holders = cached.get(h)
+            if not holders:
+                break
+            hit.append(next(iter(holders.values())))
+        return hit
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cache-hit blocks (a free one leaves the free queue)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """Pop ``n`` blocks from the head of the free queue, evicting their hashes."""
+        if n > len(self._free):
+            raise RuntimeError(f"cannot allocate {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, b = self._free.popitem(last=False)
+            if b.block_hash is not None:
+                holders = self._cached.get(b.block_hash)
+                if holders is not None:
+                    holders.pop(b.block_id, None)
+                    if not holders:
+                        del self._cached[b.block_hash]
+                b.block_hash = None
+                self.evictions += 1
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Register a (newly) full block under its hash."""
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self._cached.setdefault(block_hash, {})[block.block_id] = block
+
+    def free(self, blocks_tail_first: Iterable[Block]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the free queue's tail in
+        the order given (pass ``reversed(request_blocks)`` so a request's tail is evicted
+        first)."""
+        for b in blocks_tail_first:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+
+    def reset(self) -> int:
+        """Forget the hashes of every free block (in-use blocks keep theirs). Returns how many
+        hashes were dropped."""
+        dropped = 0
+        for b in self._free.values():
+            if b.block_hash is not None:
+                holders = self._cached.get(b.block_hash)
+                if holders is not None:
+                    holders.pop(b.block_id, None)
+                    if not holders:
+                        del self._cached[b.block_hash]
+                b.block_hash = None
+                dropped += 1
+        return dropped

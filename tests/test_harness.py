@@ -1,0 +1,255 @@
+"""The load-test harness end to end, over loopback sockets, against simulated replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from loadtest import workloads as wl
+from loadtest.cli import main as cli_main
+from loadtest.metrics_scrape import scrape_all
+from loadtest.replica import SimConfig, run_replicas
+from loadtest.report import write_report
+from loadtest.runner import REPLICA_HEADER, ClientTarget, GatewayTarget, run_workload
+
+# fast, but not instant: requests overlap and TTFT is not zero
+FAST = {
+    "prefill_tokens_per_s": 5_000_000.0,
+    "decode_tokens_per_s": 50_000.0,
+    "request_overhead_s": 0.0002,
+}
+
+
+def small_multi_tenant(seed: int = 0) -> wl.Workload:
+    return wl.multi_tenant(
+        seed=seed,
+        tenants=2,
+        conversations=6,
+        rate=40.0,
+        turns=(2, 3),
+        think_time_s=0.01,
+        system_words=200,
+        max_tokens=8,
+    )
+
+
+async def test_round_robin_run_writes_a_report_from_the_replicas_counters(tmp_path):
+    async with run_replicas(3, SimConfig(**FAST)) as reps:
+        urls = [r.url for r in reps]
+        target = ClientTarget(urls, "round_robin")
+        workload = small_multi_tenant()
+        res = await run_workload(
+            target, workload, concurrency=4, max_seconds=20, request_timeout_s=10, progress=False
+        )
+        after = await scrape_all(urls)
+    out = write_report([res], tmp_path / "rep")
+    for name in (
+        "summary.md",
+        "summary.json",
+        "requests.jsonl",
+        "ttft_cdf.png",
+        "hit_rate_per_replica.png",
+        "timeline.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == len(res.records) == res.sent == workload.planned_requests
+    assert res.lost == 0 and res.ok == res.sent and not res.errors_by_status
+    # hit rates come from the replicas' own counters (fresh replicas: deltas == totals)
+    assert res.fleet_hit_rate == pytest.approx(
+        sum(m.hits for m in after) / sum(m.queries for m in after)
+    )
+    assert 0.0 < res.fleet_hit_rate <= 1.0
+    for row in res.replica_rows():
+        assert row.metrics_ok and 0.0 <= row.hit_rate <= 1.0
+    assert (
+        sorted(row.requests for row in res.replica_rows())[-1]
+        - sorted(row.requests for row in res.replica_rows())[0]
+        <= 1
+    )
+    assert 0.0 < res.ideal_hit_rate <= 1.0
+    assert res.fleet_hit_rate <= res.ideal_hit_rate + 0.02
+    # the harness tokenizes exactly as the replica does; TTFT is measured on every stream
+    assert all(r.harness_prompt_tokens == r.prompt_tokens for r in res.records)
+    assert all(r.ttft_s is not None and 0 <= r.ttft_s <= r.latency_s for r in res.records)
+    assert not [w for w in res.warnings if "tokenization" in w]
+    rec = json.loads(lines[0])
+    assert {"run", "group", "replica", "ttft_s", "cached_tokens", "status"} <= rec.keys()
+    summary = (out / "summary.md").read_text()
+    assert "| round_robin |" in summary and "fleet hit" in summary
+
+
+async def test_preamble_position_orders_the_fleet_hit_rate():
+    rates = {}
+    for pos in wl.PREAMBLE_POSITIONS:
+        async with run_replicas(2, SimConfig(**FAST)) as reps:
+            w = wl.preamble(pos, conversations=3, turns=4, system_words=300, tools=3, max_tokens=8)
+            res = await run_workload(
+                ClientTarget([r.url for r in reps], "round_robin"),
+                w,
+                concurrency=3,
+                max_seconds=20,
+                progress=False,
+                compute_ideal=False,
+            )
+        assert res.lost == 0 and res.ok == 12
+        rates[pos] = res.fleet_hit_rate
+    assert rates["first"] < 0.05
+    assert rates["first"] < rates["after_system"] < rates["last"]
+
+
+async def test_trace_replay_respects_max_requests_and_random_policy_is_seeded():
+    async with run_replicas(2, SimConfig(**FAST)) as reps:
+        urls = [r.url for r in reps]
+        w = wl.trace(time_scale=200.0, max_output_tokens=4, max_input_tokens=8000)
+        picks = []
+        for _ in range(2):
+            res = await run_workload(
+                ClientTarget(urls, "random", seed=3),
+                w,
+                concurrency=4,
+                max_requests=10,
+                max_seconds=20,
+                progress=False,
+            )
+            assert res.sent == res.ok == 10 and res.lost == 0
+            assert all(r.endpoint == "completions" for r in res.records)
+            assert all(r.harness_prompt_tokens == r.prompt_tokens for r in res.records)
+            picks.append([urls.index(r.replica) for r in res.records])
+        assert picks[0] == picks[1]
+        assert 0.0 <= res.fleet_hit_rate <= 1.0 and res.ideal_hit_rate is not None
+
+
+async def test_max_seconds_bounds_the_run():
+    async with run_replicas(1, SimConfig(**FAST)) as reps:
+        w = wl.multi_tenant(conversations=50, rate=5.0, system_words=50, think_time_s=2.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        res = await run_workload(
+            ClientTarget([reps[0].url]), w, max_seconds=0.6, progress=False, compute_ideal=False
+        )
+        assert loop.time() - t0 < 3.0
+        assert 0 < res.sent < w.planned_requests and res.lost == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_unanswered_requests_are_counted_as_lost():
+    dead = f"http://127.0.0.1:{_free_port()}"
+    async with run_replicas(1, SimConfig(**FAST)) as reps:
+        w = wl.prefix_repetition(
+            num_prefixes=2, suffixes_per_prefix=3, prefix_len=32, suffix_len=8, output_len=2
+        )
+        res = await run_workload(
+            ClientTarget([reps[0].url, dead]),
+            w,
+            progress=False,
+            request_timeout_s=5,
+            max_seconds=10,
+        )
+    assert res.sent == 6 and res.lost == 3 and res.ok == 3
+    assert sum(res.errors_by_status.values()) == 3
+    assert any("unavailable" in x for x in res.warnings)
+
+
+async def test_gateway_target_takes_the_replica_from_the_response_header():
+    async with run_replicas(2, SimConfig(**FAST)) as reps:
+        urls = [r.url for r in reps]
+        turn = itertools.cycle(urls)
+
+        async def proxy(request: web.Request) -> web.StreamResponse:
+            upstream = next(turn)
+            body = await request.read()
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    upstream + request.path, data=body, headers={"content-type": "application/json"}
+                ) as up,
+            ):
+                resp = web.StreamResponse(
+                    status=up.status,
+                    headers={
+                        "content-type": up.headers.get("content-type", "application/json"),
+                        REPLICA_HEADER: upstream,
+                        "x-prefix-router-cached-blocks": "3",
+                    },
+                )
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", proxy)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            res = await run_workload(
+                GatewayTarget(f"http://127.0.0.1:{port}", urls),
+                small_multi_tenant(1),
+                concurrency=2,
+                progress=False,
+                max_seconds=20,
+            )
+        finally:
+            await runner.cleanup()
+    assert res.lost == 0 and res.ok == res.sent > 0
+    assert {r.replica for r in res.records} == set(urls)
+    assert all(r.predicted_cached_blocks == 3 for r in res.records)
+    assert sum(row.requests for row in res.replica_rows()) == res.sent
+
+
+def test_cli_run_and_compare_with_simulated_replicas(tmp_path):
+    common = [
+        "--workload",
+        "prefix_repetition",
+        "--num-prefixes",
+        "2",
+        "--suffixes-per-prefix",
+        "3",
+        "--prefix-len",
+        "64",
+        "--suffix-len",
+        "16",
+        "--output-len",
+        "4",
+        "--quiet",
+        "--sim",
+        "2",
+        "--sim-instant",
+    ]
+    assert cli_main(["run", *common, "--out", str(tmp_path / "run")]) == 0
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "flatters hit rates" in summary and "| round_robin |" in summary
+    assert (
+        cli_main(
+            [
+                "compare",
+                *common,
+                "--policies",
+                "client:round_robin,client:random",
+                "--out",
+                str(tmp_path / "cmp"),
+            ]
+        )
+        == 0
+    )
+    runs = json.loads((tmp_path / "cmp" / "summary.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["round_robin (client)", "random (client)"]
+    assert all(r["lost"] == 0 and r["sent"] == 6 for r in runs)
+    with pytest.raises(SystemExit):
+        cli_main(["run", "--workload", "preamble", "--quiet"])  # no target given
