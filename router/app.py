@@ -38,6 +38,7 @@ from router.tenancy import Tenancy
 log = logging.getLogger("prefix_router")
 
 DEFAULT_BLOCK_SIZE = 16
+APP_HEADER = "X-Prefix-Router-App"  # optional client label that diagnostics group by
 LONG_BODY_BYTES = 16 * 1024  # tokenize bodies larger than this in a thread
 REQUEST_ID = web.RequestKey("request_id", str)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
@@ -78,6 +79,13 @@ class Gateway:
         )
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
+        # Watchers of every finished request (live diagnostics): observe(rr, decision, outcome)
+        self.observers: list[Any] = []
+        if config.admin_key:
+            from router.diagnose import LiveDiagnostics
+
+            self.diagnostics = LiveDiagnostics(self)
+            self.observers.append(self.diagnostics)
         self.redis: Any = None  # fleet mode: the shared client, the sync task
         self.sync: Any = None
         self._fallbacks_seen = 0
@@ -254,6 +262,7 @@ class Gateway:
         )
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        app_label = headers.get(APP_HEADER) or None
         return RoutedRequest(
             request_id=request_id,
             endpoint=endpoint,
@@ -267,6 +276,7 @@ class Gateway:
             cache_salt=salt.salt,
             lora=lora,
             salt_policy=salt.policy,
+            app_label=app_label[:64] if app_label else None,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             # Unchanged bodies are forwarded as the client's own bytes.
             extras={"raw": raw if body is client_body else None},
@@ -409,6 +419,8 @@ class Gateway:
         self.metrics.upstream_ttft.labels(decision.replica).observe(outcome.first_byte_s)
         predicted = decision.matched_blocks * rr.block_size
         self.metrics.predicted_cached_tokens.labels(rr.tenant).inc(predicted)
+        for observer in self.observers:
+            observer.observe(rr, decision, outcome)
         if outcome.cached_tokens is None:
             return
         reported = outcome.cached_tokens
@@ -479,6 +491,11 @@ class Gateway:
                 tried.add(replica.url)
                 await self.fleet.record_failure(replica, e.why)
         raise APIError(503, "no healthy replica is available", code="no_replica")
+
+    async def diagnostics_endpoint(self, request: web.Request) -> web.Response:
+        from router import diagnose
+
+        return await diagnose.handle(self, request)
 
     async def explain(self, request: web.Request) -> web.Response:
         from router import explain
@@ -627,6 +644,7 @@ def build_app(
     app.router.add_post("/tokenize", gateway.passthrough)
     app.router.add_post("/detokenize", gateway.passthrough)
     app.router.add_post("/v1/route/explain", gateway.explain)
+    app.router.add_get("/admin/diagnostics", gateway.diagnostics_endpoint)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.prometheus)
