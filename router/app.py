@@ -88,6 +88,7 @@ class Gateway:
             self.observers.append(self.diagnostics)
         self.redis: Any = None  # fleet mode: the shared client, the sync task
         self.sync: Any = None
+        self.discovery: Any = None  # DNS discovery of replicas, when configured
         self._fallbacks_seen = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -111,6 +112,11 @@ class Gateway:
             on_event=self._on_fleet_event,
         )
         await self.fleet.start()
+        if self.config.discovery_dns:
+            from router.discovery import DnsDiscovery
+
+            self.discovery = DnsDiscovery.from_config(self.config, self._on_discovered)
+            await self.discovery.start()  # the first lookup completes before serving
         if self.config.redis_url:
             await self._start_fleet_mode()
         self._sync_ring()
@@ -120,7 +126,11 @@ class Gateway:
             await self._apply_capacity(r)
         if self.renderer is None:
             self.renderer = await asyncio.get_running_loop().run_in_executor(
-                self.executor, load_renderer, self.config.tokenizer, self.fleet.base_model()
+                self.executor,
+                load_renderer,
+                self.config.tokenizer,
+                self.fleet.base_model(),
+                self.config.max_prompt_chars,
             )
         log.info(
             "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
@@ -129,6 +139,13 @@ class Gateway:
             self.policy.name,
             self.block_size,
         )
+
+    async def _on_discovered(self, urls: list[str]) -> None:
+        assert self.fleet is not None
+        await self.fleet.set_urls(urls)
+        for r in self.fleet.replicas.values():
+            await self._apply_capacity(r)
+        self._sync_ring()
 
     async def _start_fleet_mode(self) -> None:
         """Share the prefix map, the ring's members and the load with the other gateways
@@ -147,7 +164,27 @@ class Gateway:
         index = ResilientIndex(
             shared, MemoryIndex(capacity), match_timeout_s=self.config.redis_timeout_ms / 1000
         )
-        index.on_state_change(lambda up: self.metrics.redis_up.set(1 if up else 0))
+        client = self.redis
+
+        async def disconnect_pool() -> None:
+            try:
+                await client.connection_pool.disconnect()
+            except Exception as exc:
+                log.debug("dropping pooled Redis connections failed: %r", exc)
+
+        def drop_pooled_connections() -> None:
+            # Connections pooled before an outage are dead sockets that redis-py hands out
+            # again once Redis is back: each fails one call, which re-opens the circuit for
+            # another probe interval (a restart flapped for seconds). Drop them all while
+            # Redis is down; calls reconnect on demand.
+            self._spawn(disconnect_pool())
+
+        def on_redis_state(up: bool) -> None:
+            self.metrics.redis_up.set(1 if up else 0)
+            if not up:
+                drop_pooled_connections()
+
+        index.on_state_change(on_redis_state)
         self.metrics.redis_up.set(1 if await index.start() else 0)
         self.index = index
         fleet = self.fleet
@@ -155,7 +192,13 @@ class Gateway:
         def local_load() -> dict[str, tuple[int, int]]:
             return {u: (r.inflight, r.pending_prefill_tokens) for u, r in fleet.replicas.items()}
 
+        sync_was_up = True
+
         def on_tick(sync: FleetSync) -> None:
+            nonlocal sync_was_up
+            if sync_was_up and sync.redis_up is False:
+                drop_pooled_connections()
+            sync_was_up = sync.redis_up is not False
             remote = sync.remote_load
             for url, r in fleet.replicas.items():
                 r.remote_inflight, r.remote_prefill_tokens = remote.get(url, (0, 0))
@@ -177,6 +220,8 @@ class Gateway:
         self.draining = True
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.sync is not None:
             await self.sync.stop()
         if self.fleet:
@@ -247,7 +292,8 @@ class Gateway:
         else:
 
             def work() -> list[int]:
-                return renderer.tokenize_completion(body["prompt"])
+                # Honours add_special_tokens and truncation; a batch routes on its first prompt.
+                return renderer.tokenize_completion_request(body)[0]
 
         if len(raw) > LONG_BODY_BYTES:
             token_ids = await asyncio.get_running_loop().run_in_executor(self.executor, work)
@@ -577,7 +623,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
-def load_renderer(tokenizer: str | None, reported_model: str | None) -> Renderer:
+def load_renderer(
+    tokenizer: str | None, reported_model: str | None, max_prompt_chars: int = 4_000_000
+) -> Renderer:
     name = tokenizer or reported_model
     if not name:
         raise SystemExit(
@@ -589,7 +637,10 @@ def load_renderer(tokenizer: str | None, reported_model: str | None) -> Renderer
 
         # Local files only: the request path must never wait on a model hub, and offline a
         # hub lookup only retries for half a minute before failing anyway.
-        return Renderer(AutoTokenizer.from_pretrained(name, local_files_only=True))
+        return Renderer(
+            AutoTokenizer.from_pretrained(name, local_files_only=True),
+            max_prompt_chars=max_prompt_chars,
+        )
     except Exception as e:  # transformers raises OSError, ValueError, HF errors...
         hint = (
             ""

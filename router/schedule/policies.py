@@ -37,8 +37,10 @@ class Candidate:
 
     @property
     def load(self) -> int:
-        """Requests on the replica: ours, or what it reports if other clients add more."""
-        return max(self.inflight, self.waiting + self.running)
+        """Requests in flight to the replica from the gateways. The scraped vLLM gauges are
+        up to a scrape interval old, and at a few dozen requests a second a stale count
+        misdirects more than it informs, so they are shown (explain) but not used here."""
+        return self.inflight
 
 
 @dataclass(frozen=True, slots=True)
