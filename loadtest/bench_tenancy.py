@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtest import runner
 from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RunResult, default_renderer, run_workload
@@ -101,7 +99,7 @@ def tenancy_workload(
     """Conversations arrive Poisson at ``rate``/s; each picks a tenant uniformly. Tenants
     ``t{T-P}..t{T-1}`` use the published prompt. ``users`` > 0: each conversation's client
     sends ``cache_salt: user-<k>`` (k = conversation index mod ``users``). Every request
-    carries ``Authorization: Bearer <its tenant's key>`` in ``spec.meta["headers"]``."""
+    carries ``Authorization: Bearer <its tenant's key>`` in ``spec.headers``."""
     names = [f"t{i}" for i in range(tenants)]
     public = set(names[tenants - public_tenants :])
     public_prompt = public_system_prompt(seed, system_words)
@@ -140,10 +138,8 @@ def tenancy_workload(
                     turn=turn,
                     body=body,
                     delay_s=think,
-                    meta={
-                        "tenant": tenant,
-                        "headers": {"Authorization": f"Bearer {api_key(tenant)}"},
-                    },
+                    meta={"tenant": tenant},
+                    headers={"Authorization": f"Bearer {api_key(tenant)}"},
                 )
                 if answer is None:
                     return
@@ -177,38 +173,6 @@ def tenancy_workload(
 
 # ---------------------------------------------------------------------------------------------
 # per-request headers for the harness
-
-
-class _HeaderSession:
-    """An ``aiohttp.ClientSession`` whose ``post`` adds ``extra`` headers."""
-
-    def __init__(self, http: aiohttp.ClientSession, extra: dict[str, str]) -> None:
-        self._http, self._extra = http, extra
-
-    def post(self, url: str, *, headers: dict[str, str] | None = None, **kw: Any) -> Any:
-        return self._http.post(url, headers={**(headers or {}), **self._extra}, **kw)
-
-
-@contextlib.contextmanager
-def request_headers_from_meta() -> Iterator[None]:
-    """While active, the harness sends each request with ``spec.meta["headers"]``.
-
-    ``loadtest.runner`` sends only a content-type header; until a ``RequestSpec`` can carry
-    headers itself, this wraps its one-request function (looked up by name at call time)."""
-    plain = runner._do_request
-
-    async def with_headers(
-        http: aiohttp.ClientSession, url: str, rec: runner.RequestRecord, body: Any, **kw: Any
-    ) -> Any:
-        extra = rec.spec.meta.get("headers") if rec.spec is not None else None
-        session: Any = _HeaderSession(http, extra) if extra else http
-        return await plain(session, url, rec, body, **kw)
-
-    runner._do_request = with_headers  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        runner._do_request = plain  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,16 +244,15 @@ async def run_scenario(
         gw = start_gateway(replica_urls, "--config", str(config_path))
         procs.append(gw)
         await wait_ready(gw.url, "/ready")
-        with request_headers_from_meta():
-            result = await run_workload(
-                GatewayTarget(gw.url, replica_urls, policy="ttft", name=scenario),
-                workload,
-                concurrency=args.concurrency,
-                max_seconds=args.max_seconds,
-                compute_ideal=False,
-                progress=False,
-                label=scenario,
-            )
+        result = await run_workload(
+            GatewayTarget(gw.url, replica_urls, policy="ttft", name=scenario),
+            workload,
+            concurrency=args.concurrency,
+            max_seconds=args.max_seconds,
+            compute_ideal=False,
+            progress=False,
+            label=scenario,
+        )
     # The salts the gateway gave each request, decided by the same code from the same config.
     tenancy = Tenancy(load_config(None, env={"PREFIX_ROUTER_CONFIG": str(config_path)}), env={})
     renderer = default_renderer()
@@ -334,7 +297,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-async def amain(args: argparse.Namespace) -> int:
+async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     scenarios = args.scenarios.split(",") if args.scenarios else list(SCENARIOS)
     for s in scenarios:
         if s not in SCENARIOS:
@@ -367,10 +330,7 @@ async def amain(args: argparse.Namespace) -> int:
         f"concurrency {args.concurrency}, seed {args.seed}.\n"
     )
     print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    failed = [r for r in rows if r["ok"] != r["sent"]]
-    return 1 if failed else 0
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.conversations, args.rate = 20, 5.0
-    return asyncio.run(amain(args))
+    rows = asyncio.run(amain(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 1 if any(r["ok"] != r["sent"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -505,7 +505,7 @@ async def _do_request(
         async with http.post(
             url + path,
             data=data,
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **(rec.spec.headers if rec.spec else {})},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             rec.status = resp.status

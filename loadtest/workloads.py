@@ -65,6 +65,7 @@ class RequestSpec:
     token_ids_fn: Callable[[], list[int]] | None = None
     delay_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. the tenant's Authorization
 
     def make_body(self) -> dict[str, Any]:
         if self.body is not None:

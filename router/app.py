@@ -501,12 +501,14 @@ class Gateway:
         return await self.route(request, "completions")
 
     async def models(self, request: web.Request) -> web.Response:
+        self.tenancy.identify(request.headers)  # same auth as generation
         assert self.fleet is not None
         cards = sorted(self.fleet.models().values(), key=lambda c: str(c.get("id")))
         return web.json_response({"object": "list", "data": cards})
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
+        self.tenancy.identify(request.headers)
         assert self.fleet is not None and self.session is not None
         raw = await request.read()
         parse_json_object(raw)
@@ -666,6 +668,8 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         resp = await handler(request)
     except APIError as e:
+        if e.status == 401:
+            rid["WWW-Authenticate"] = "Bearer"
         return e.response(rid)
     except web.HTTPRequestEntityTooLarge as e:
         return APIError(413, f"request body too large: {e.text}").response(rid)

@@ -11,7 +11,7 @@ from anything a client can choose freely:
 - ``tenant+client`` ``HMAC(secret, tenant, client_salt)``: a client can split its own users
                     further, never step outside its tenant.
 - ``reject``        a client-sent salt is a 400; requests carry the tenant salt.
-- ``passthrough``   (auth off, no policy set) the client's salt is forwarded as is.
+- ``passthrough``   (auth off only; the default then) the client's salt is forwarded as is.
 
 Named public prefixes: a request whose leading messages equal a published prefix (say, a
 public system prompt) is sent unsalted by tenants allowed to share it. Salting re-keys the
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +47,9 @@ log = logging.getLogger("prefix_router.tenancy")
 
 DEFAULT_TENANT = "default"
 POLICIES = ("none", "tenant", "tenant+client", "reject", "passthrough")
+# A secret's epoch label goes into every salt, so it must keep the salt valid for vLLM.
+_EPOCH_RE = re.compile(r"[A-Za-z0-9._-]{1,32}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def validate_salt(salt: object) -> str:
@@ -127,12 +132,14 @@ def _parse_secrets(raw: Any, where: str) -> list[SaltSecret]:
             raise ConfigError(
                 f"{where}: salt_secrets[{i}] needs a secret of at least 16 characters"
             )
-        out.append(
-            SaltSecret(
-                item["secret"].encode(),
-                _parse_time(item.get("not_before", 0)),
-                str(item.get("epoch", i)),
+        epoch = str(item.get("epoch", i))
+        if not _EPOCH_RE.fullmatch(epoch):
+            # The epoch is part of every salt sent: it must keep the salt valid for vLLM.
+            raise ConfigError(
+                f"{where}: salt_secrets[{i}].epoch must be 1-32 characters of A-Z a-z 0-9 . _ -"
             )
+        out.append(
+            SaltSecret(item["secret"].encode(), _parse_time(item.get("not_before", 0)), epoch)
         )
     return sorted(out, key=lambda s: s.not_before, reverse=True)
 
@@ -149,60 +156,131 @@ def _normalise_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
+def _read_keys_file(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"api_keys_file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"api_keys_file {path} cannot be read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        # Only the position: PyYAML's message quotes the offending line, which may hold a key.
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"api_keys_file {path} is not valid YAML{at}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"api_keys_file {path} must be a mapping")
+    return loaded
+
+
+def _names(value: Any, what: str, where: str) -> list[str]:
+    """A list of strings (a single string is a list of one, not a list of characters)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, (str, int)) for v in value):
+        raise ConfigError(f"{where}: {what} must be a list of strings")
+    return [str(v) for v in value]
+
+
+def _mapping(value: Any, what: str, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: {what} must be a mapping")
+    return value
+
+
 def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTable:
     """Build the table from the keys file, the config and ``PREFIX_ROUTER_API_KEYS``."""
     env = os.environ if env is None else env
     table = TenantTable()
-    data: dict[str, Any] = {}
-    if config.api_keys_file:
-        path = Path(config.api_keys_file)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"api_keys_file not found: {path}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"api_keys_file {path} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"api_keys_file {path} must be a mapping")
-        data = loaded
+    data = _read_keys_file(Path(config.api_keys_file)) if config.api_keys_file else {}
     where = config.api_keys_file or "config"
-    tenants = {**(data.get("tenants") or {}), **(config.tenants or {})}
+    file_tenants = _mapping(data.get("tenants"), "tenants", where)
+    config_tenants = _mapping(config.tenants, "tenants", "config")
     default_policy = default_salt_policy(config)
-    for name, spec in tenants.items():
-        spec = spec or {}
-        if not isinstance(spec, dict):
+
+    def add_key(digest: str, tenant: str) -> None:
+        other = table.keys.get(digest)
+        if other is not None and other != tenant:
+            # Never name the key itself: only who it collides between.
+            raise ConfigError(f"{where}: one API key is given to tenants {other!r} and {tenant!r}")
+        table.keys[digest] = tenant
+
+    for name in {**file_tenants, **config_tenants}:
+        # The config's entry for a tenant overrides single fields of the file's, so a
+        # policy override there does not drop the tenant's keys.
+        parts = [file_tenants.get(name), config_tenants.get(name)]
+        if not all(p is None or isinstance(p, dict) for p in parts):
             raise ConfigError(f"{where}: tenant {name!r} must be a mapping")
+        spec: dict[str, Any] = {**(parts[0] or {}), **(parts[1] or {})}
         policy = spec.get("salt_policy", default_policy)
         if policy not in POLICIES:
             raise ConfigError(
                 f"{where}: tenant {name!r}: salt_policy must be one of {', '.join(POLICIES)}"
             )
         table.tenants[str(name)] = TenantPolicy(
-            str(name), policy, tuple(spec.get("public_prefixes") or ())
+            str(name),
+            policy,
+            tuple(_names(spec.get("public_prefixes"), "public_prefixes", where)),
         )
-        for key in spec.get("keys") or ():
-            table.keys[key_digest(str(key))] = str(name)
-        for digest in spec.get("key_sha256") or ():
-            table.keys[str(digest).lower()] = str(name)
+        for key in _names(spec.get("keys"), f"tenant {name!r}: keys", where):
+            add_key(key_digest(key), str(name))
+        for digest in _names(spec.get("key_sha256"), f"tenant {name!r}: key_sha256", where):
+            digest = digest.strip().lower()
+            if not _DIGEST_RE.fullmatch(digest):
+                raise ConfigError(
+                    f"{where}: tenant {name!r}: key_sha256 entries are 64 hex digits "
+                    "(sha256sum of the key)"
+                )
+            add_key(digest, str(name))
     for pair in filter(None, (env.get("PREFIX_ROUTER_API_KEYS") or "").split(",")):
         name, sep, key = pair.partition(":")
-        if not sep or not key:
+        name, key = name.strip(), key.strip()
+        if not sep or not key or not name:
             raise ConfigError("PREFIX_ROUTER_API_KEYS must be tenant:key[,tenant:key...]")
-        table.keys[key_digest(key.strip())] = name.strip()
-        table.tenants.setdefault(name.strip(), TenantPolicy(name.strip(), default_policy))
+        add_key(key_digest(key), name)
+        table.tenants.setdefault(name, TenantPolicy(name, default_policy))
     secrets = _parse_secrets(data.get("salt_secrets"), where)
     if config.salt_secret:
         secrets += _parse_secrets(config.salt_secret, "salt_secret")
         secrets.sort(key=lambda s: s.not_before, reverse=True)
     table.secrets = secrets
-    prefixes = {**(data.get("public_prefixes") or {}), **(config.public_prefixes or {})}
+    prefixes = {
+        **_mapping(data.get("public_prefixes"), "public_prefixes", where),
+        **_mapping(config.public_prefixes, "public_prefixes", "config"),
+    }
     for pname, messages in prefixes.items():
         table.public_prefixes[str(pname)] = _normalise_messages(messages, f"{where}: {pname}")
     for t in table.tenants.values():
         for p in t.public_prefixes:
             if p not in table.public_prefixes:
                 raise ConfigError(f"{where}: tenant {t.name!r} shares unknown public prefix {p!r}")
+    check_table(config, table)
     return table
+
+
+def check_table(config: Config, table: TenantTable) -> None:
+    """What a table needs to serve: a secret if any policy salts, keys if auth is on."""
+    default_policy = default_salt_policy(config)
+    policies = {default_policy, *(t.salt_policy for t in table.tenants.values())}
+    if config.auth and "passthrough" in policies:
+        # With auth on, a forwarded client salt could name another tenant's scope.
+        raise ConfigError(
+            "salt_policy passthrough is for auth off only; with auth on use tenant, "
+            "tenant+client, reject or none"
+        )
+    if policies - {"passthrough"} and not table.secrets:
+        raise ConfigError(
+            "the salt policy needs a server secret: set salt_secret "
+            "(PREFIX_ROUTER_SALT_SECRET) or salt_secrets in api_keys_file"
+        )
+    if config.auth and not table.keys:
+        raise ConfigError(
+            "auth is on but no API keys are configured (api_keys_file or PREFIX_ROUTER_API_KEYS)"
+        )
 
 
 def default_salt_policy(config: Config) -> str:
@@ -221,52 +299,50 @@ class Tenancy:
         self.config = config
         self._env = env
         self.default_policy = default_salt_policy(config)
+        self._signature = self._file_signature()
         self.table = load_table(config, env)
-        self._mtime = self._file_mtime()
         self._checked = time.monotonic()
-        needs_secret = self.default_policy in ("none", "tenant", "tenant+client", "reject") or any(
-            t.salt_policy != "passthrough" for t in self.table.tenants.values()
-        )
-        if needs_secret and not self.table.secrets:
-            raise ConfigError(
-                "the salt policy needs a server secret: set salt_secret "
-                "(PREFIX_ROUTER_SALT_SECRET) or salt_secrets in api_keys_file"
-            )
-        if config.auth and not self.table.keys:
-            raise ConfigError(
-                "auth is on but no API keys are configured (api_keys_file or "
-                "PREFIX_ROUTER_API_KEYS)"
-            )
 
-    def _file_mtime(self) -> float | None:
+    def _file_signature(self) -> tuple[int, int, int] | None:
+        """(mtime ns, size, inode): an in-place rewrite or an atomic rename both change it."""
         if not self.config.api_keys_file:
             return None
         try:
-            return os.stat(self.config.api_keys_file).st_mtime
+            st = os.stat(self.config.api_keys_file)
         except OSError:
             return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def maybe_reload(self) -> None:
+    def maybe_reload(self, force: bool = False) -> None:
         """At most once a second, reload the keys file if it changed; keep the old table if
-        the new file is broken (and say so once)."""
+        the new file is broken or incomplete (and say so, without quoting it)."""
         now = time.monotonic()
-        if now - self._checked < 1.0 or not self.config.api_keys_file:
+        if not self.config.api_keys_file or (not force and now - self._checked < 1.0):
             return
         self._checked = now
-        mtime = self._file_mtime()
-        if mtime == self._mtime:
+        signature = self._file_signature()
+        if signature == self._signature:
             return
-        self._mtime = mtime
+        self._signature = signature
         try:
             self.table = load_table(self.config, self._env)
-            log.info(
-                "reloaded %s: %d tenants, %d keys",
-                self.config.api_keys_file,
-                len(self.table.tenants),
-                len(self.table.keys),
-            )
-        except ConfigError as e:
+        except ConfigError as e:  # phrased by us: names fields, never keys or secrets
             log.error("keeping the previous tenants: %s", e)
+            return
+        except Exception as e:  # anything else may quote the file: only its type
+            log.error(
+                "keeping the previous tenants: %s could not be loaded (%s)",
+                self.config.api_keys_file,
+                type(e).__name__,
+            )
+            return
+        log.info(
+            "reloaded %s: %d tenants, %d keys, %d salt secrets",
+            self.config.api_keys_file,
+            len(self.table.tenants),
+            len(self.table.keys),
+            len(self.table.secrets),
+        )
 
     # -- identity -------------------------------------------------------------------------
     def identify(self, headers: Mapping[str, str]) -> str:
@@ -284,8 +360,10 @@ class Tenancy:
             raise APIError(
                 401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key"
             )
-        # A dict lookup by SHA-256 digest: timing can reveal nothing about the key itself,
-        # and the key is never stored, compared or logged in the clear.
+        # Only SHA-256 digests are stored, and the presented key is looked up by its digest.
+        # The lookup's timing can at most depend on the digest, never on the key's bytes, so
+        # it teaches an attacker nothing a preimage search would need (the same argument as
+        # comparing digests with hmac.compare_digest). The key is never logged or echoed.
         tenant = self.table.keys.get(key_digest(key.strip()))
         if tenant is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
@@ -296,6 +374,9 @@ class Tenancy:
 
     # -- salt -----------------------------------------------------------------------------
     def current_secret(self, now: float | None = None) -> SaltSecret | None:
+        """The secret in force at wall-clock ``now``: the latest ``not_before`` that has
+        passed (every gateway with the same file and a synchronised clock switches at the
+        same instant); before the first ``not_before``, the earliest secret."""
         now = time.time() if now is None else now
         for s in self.table.secrets:  # newest first
             if s.not_before <= now:
@@ -303,9 +384,13 @@ class Tenancy:
         return self.table.secrets[-1] if self.table.secrets else None
 
     def _derive(self, *parts: str) -> str:
+        """``pr<epoch>-`` + 48 hex digits of HMAC-SHA256(secret, parts): at most 83 characters
+        of ``[A-Za-z0-9._-]``, valid under vLLM's rules. The parts are JSON-encoded, so no
+        tenant name or client salt can be chosen to collide with another's."""
         secret = self.current_secret()
-        assert secret is not None  # checked at start-up
-        mac = hmac.new(secret.value, "\x00".join(parts).encode(), hashlib.sha256).hexdigest()
+        assert secret is not None  # check_table demands one whenever a policy salts
+        message = json.dumps(parts, ensure_ascii=False).encode()
+        mac = hmac.new(secret.value, message, hashlib.sha256).hexdigest()
         return f"pr{secret.epoch}-{mac[:48]}"
 
     def salt(
@@ -321,7 +406,13 @@ class Tenancy:
             raise bad_request(
                 "cache_salt is set by the gateway for this tenant; do not send it", "cache_salt"
             )
-        if policy.public_prefixes and messages is not None and client_salt is None:
+        # Under ``tenant`` a client salt is ignored anyway, so it does not opt out of sharing;
+        # under ``tenant+client`` / ``none`` it asks for a scope of its own, so it does.
+        if (
+            policy.public_prefixes
+            and messages is not None
+            and (client_salt is None or name == "tenant")
+        ):
             shared = self._public_prefix(policy, messages)
             if shared:
                 return SaltDecision(None, name, public_prefix=shared)
