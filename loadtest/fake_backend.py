@@ -24,7 +24,6 @@ CHAT = json.dumps(
             "prompt_tokens": 1,
             "completion_tokens": 1,
             "total_tokens": 2,
-            "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
 ).encode()

@@ -9,6 +9,7 @@ handler and the explain endpoint both call them, so nothing is re-implemented fo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from router.fleet import Fleet, Replica
 from router.forward import Outcome, UpstreamUnavailable, proxy, request_headers
 from router.index import MemoryIndex, PrefixIndex
 from router.metrics import Metrics
-from router.prompt import Renderer
+from router.prompt import NeedsThread, Renderer
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, build_policy
 from router.tenancy import Tenancy
@@ -39,7 +40,7 @@ log = logging.getLogger("prefix_router")
 
 DEFAULT_BLOCK_SIZE = 16
 APP_HEADER = "X-Prefix-Router-App"  # optional client label that diagnostics group by
-LONG_BODY_BYTES = 16 * 1024  # tokenize bodies larger than this in a thread
+INLINE_UNCACHED_CHARS = 4096  # more new text than this is tokenized in a thread (~1 ms)
 REQUEST_ID = web.RequestKey("request_id", str)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -295,10 +296,13 @@ class Gateway:
                 # Honours add_special_tokens and truncation; a batch routes on its first prompt.
                 return renderer.tokenize_completion_request(body)[0]
 
-        if len(raw) > LONG_BODY_BYTES:
+        try:
+            # Cached segments cost microseconds: tokenize in place, and hand a prompt with a
+            # lot of new text to a thread (the Rust tokenizer releases the GIL there).
+            with renderer.inline(INLINE_UNCACHED_CHARS):
+                token_ids = work()
+        except NeedsThread:
             token_ids = await asyncio.get_running_loop().run_in_executor(self.executor, work)
-        else:
-            token_ids = work()
         hashes = blocks.block_hashes(
             token_ids,
             self.block_size,
@@ -652,17 +656,27 @@ def load_renderer(
         raise SystemExit(
             f"prefix-router: cannot load tokenizer {name!r}{hint}: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-            "Offline, point --tokenizer at a local directory with tokenizer.json "
-            "and tokenizer_config.json."
+            "Point --tokenizer at a local directory with tokenizer.json and "
+            "tokenizer_config.json, or fetch the model into the Hugging Face cache first."
         ) from None
 
 
 # -- middleware ---------------------------------------------------------------------------
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_ID_COUNTER = itertools.count()
+
+
+def new_request_id() -> str:
+    """Unique per process start and request; a counter, because uuid4 per request showed up
+    in profiles."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request.headers.get("x-request-id") or new_request_id()
     if len(request_id) > 128 or not request_id.isprintable():
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
     request[REQUEST_ID] = request_id
     rid = {"x-request-id": request_id}
     try:

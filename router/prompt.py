@@ -23,6 +23,8 @@ is encoded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import json
 import logging
 import re
@@ -477,6 +479,17 @@ class _Truncation:
 # --------------------------------------------------------------------------------------------
 # The renderer
 # --------------------------------------------------------------------------------------------
+
+
+class NeedsThread(Exception):
+    """Raised inside ``Renderer.inline(...)`` when the prompt has more uncached text than the
+    inline budget: the caller should tokenize it in a worker thread instead."""
+
+
+# Per-thread (per-context) budget of uncached characters to BPE-encode inline; None = any.
+_INLINE_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "prefix_router_inline_budget", default=None
+)
 
 
 class Renderer:
@@ -1159,6 +1172,17 @@ class Renderer:
         )
 
     # ------------------------------------------------------------------------- tokenizing
+    @contextlib.contextmanager
+    def inline(self, max_uncached_chars: int) -> Iterator[None]:
+        """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
+        than ``max_uncached_chars`` of uncached text, so an event loop can tokenize a cached
+        prompt in place (microseconds) and hand only real work to a thread."""
+        token = _INLINE_BUDGET.set(max_uncached_chars)
+        try:
+            yield
+        finally:
+            _INLINE_BUDGET.reset(token)
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=...)``, through the segment cache when
         it is on and provably equivalent."""
@@ -1273,6 +1297,9 @@ class Renderer:
                         cache.move_to_end(key)
                 self.cache_hits += len(found)
         if missing:
+            budget = _INLINE_BUDGET.get()
+            if budget is not None and sum(map(len, missing.values())) > budget:
+                raise NeedsThread
             segs = list(missing.values())
             encs = (
                 self._backend.encode_batch_fast(segs, add_special_tokens=False)

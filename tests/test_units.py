@@ -53,7 +53,7 @@ async def test_memory_index_leading_match_and_lru():
     a = block_hashes(list(range(160)), 16)  # 10 blocks
     await index.record("r1", a[:6])
     assert await index.match(a, ["r1", "r2"]) == {"r1": 6, "r2": 0}
-    await index.forget("r1", [a[2]])
+    await index.forget("r1", a[2:])
     assert (await index.match(a, ["r1"]))["r1"] == 2  # stops at the first miss
     b = block_hashes([7] * 160, 16)
     await index.record("r1", b[:8])  # over capacity: the oldest blocks go, tails first
