@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -66,11 +67,17 @@ class Proc:
 
 
 def start(
-    name: str, cmd: Sequence[str], urls: Sequence[str] = (), env: dict[str, str] | None = None
+    name: str,
+    cmd: Sequence[str],
+    urls: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    read_stdout: bool = False,
 ) -> Proc:
+    """Start ``cmd``. Its output is discarded unless ``read_stdout`` (then the caller must keep
+    reading it: a chatty process blocks once an unread pipe fills)."""
     popen = subprocess.Popen(
         list(cmd),
-        stdout=subprocess.PIPE,
+        stdout=subprocess.PIPE if read_stdout else subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
@@ -93,6 +100,7 @@ def start_replicas(count: int, *args: str, timeout: float = 60.0) -> Proc:
             "warning",
             *args,
         ],
+        read_stdout=True,
     )
     deadline = time.monotonic() + timeout
     assert proc.popen.stdout is not None
@@ -105,6 +113,8 @@ def start_replicas(count: int, *args: str, timeout: float = 60.0) -> Proc:
         if time.monotonic() > deadline:
             proc.stop()
             raise RuntimeError("simulated replicas did not start in time")
+    # Keep draining its output so it can never block on a full pipe.
+    threading.Thread(target=proc.popen.stdout.read, daemon=True).start()
     return proc
 
 

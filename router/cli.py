@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from router import __version__
-from router.config import ConfigError, add_arguments, dump_yaml, load_config
+from router.config import Config, ConfigError, add_arguments, dump_yaml, load_config
 
 DESCRIPTION = """\
 An OpenAI-compatible gateway for vLLM fleets that routes each request to the replica most
@@ -37,6 +38,25 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if config.workers > 1 and not config.redis_url:
+        logging.getLogger("prefix_router").warning(
+            "%d workers without redis_url: each worker learns its own prefix map, so a "
+            "prefix seen by one worker is unknown to the others (set redis_url to share it)",
+            config.workers,
+        )
+    print(
+        f"prefix-router {__version__} listening on http://{config.host}:{config.port} "
+        f"(policy {config.policy}, {len(config.replicas)} replicas, {config.workers} "
+        f"worker{'s' if config.workers > 1 else ''})",
+        flush=True,
+    )
+    if config.workers == 1:
+        return _run_worker(config)
+    return _run_workers(config)
+
+
+def _run_worker(config: Config) -> int:
+    """One gateway process: its own event loop (uvloop when installed) and app."""
     from aiohttp import web
 
     from router.app import build_app
@@ -48,11 +68,6 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"prefix-router: {e}", file=sys.stderr)
         return 2
-    print(
-        f"prefix-router {__version__} listening on http://{config.host}:{config.port} "
-        f"(policy {config.policy}, {len(config.replicas)} replicas)",
-        flush=True,
-    )
     web.run_app(
         app,
         host=config.host,
@@ -62,7 +77,37 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=None,
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_grace_s,
+        reuse_port=config.workers > 1,
     )
+    return 0
+
+
+def _run_workers(config: Config) -> int:
+    """``workers`` processes on one port (SO_REUSEPORT: the kernel spreads connections). The
+    parent forwards SIGINT/SIGTERM and exits with the first non-zero status."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_run_worker, args=(config,), name=f"worker-{i}")
+        for i in range(config.workers)
+    ]
+    for p in procs:
+        p.start()
+
+    def forward(signum: int, frame: object) -> None:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    for p in procs:
+        p.join()
+        status = status or (p.exitcode or 0)
+    return status
     return 0
 
 

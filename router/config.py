@@ -94,6 +94,11 @@ class Config:
     upstream_api_key: str | None = _opt(
         None, "bearer token sent to the replicas (vLLM --api-key)", secret=True
     )
+    workers: int = _opt(
+        1,
+        "gateway processes sharing the port (SO_REUSEPORT); use with "
+        "redis_url so they share one prefix map",
+    )
     tokenize_threads: int = _opt(2, "threads that tokenize long prompts off the event loop")
     shutdown_grace_s: float = _opt(30.0, "on SIGTERM, seconds to let in-flight requests finish")
     # -- fleet mode (Redis)
@@ -141,6 +146,8 @@ class Config:
             raise ConfigError(f"port must be 1..65535, got {self.port}")
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.load_bound < 1.0:
             raise ConfigError(f"load_bound must be >= 1.0, got {self.load_bound}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

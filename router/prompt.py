@@ -1272,7 +1272,7 @@ class Renderer:
         if pos < len(text):
             pieces.append(text[pos:])
         keys: list[int] = []
-        found: dict[int, list[int]] = {}
+        found: dict[int, Sequence[int]] = {}
         missing: dict[int, str] = {}
         cache = self._cache
         for p in pieces:
@@ -1287,7 +1287,7 @@ class Renderer:
                 continue
             hit = cache.get(key) if use_cache else None
             if hit is not None:
-                found[key] = hit.tolist()
+                found[key] = hit
             else:
                 missing[key] = p
         if use_cache and found:
@@ -1313,7 +1313,7 @@ class Renderer:
                     self._cache_put(key, ids)
             if use_cache:
                 self.cache_misses += len(missing)
-        out: list[int] = []
+        out = array("I")  # cached segments are arrays: extending copies memory, not ints
         k = 0
         for p in pieces:
             if isinstance(p, int):
@@ -1321,7 +1321,7 @@ class Renderer:
             else:
                 out.extend(found[keys[k]])
                 k += 1
-        return out
+        return out.tolist()
 
     def _cache_put(self, key: int, ids: list[int]) -> None:
         n = len(ids)
