@@ -9,6 +9,7 @@ handler and the explain endpoint both call them, so nothing is re-implemented fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -17,6 +18,7 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -629,6 +631,15 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
+def _model_vocab_size(name: str) -> int:
+    """Token ids a completions prompt may carry: the model's ``vocab_size`` from a
+    ``config.json`` beside the tokenizer (it is larger than the tokenizer's own vocabulary,
+    e.g. 151,936 vs 151,669 for Qwen3), else anything a uint32 holds: the replica judges."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return int(json.loads((Path(name) / "config.json").read_text())["vocab_size"])
+    return 2**32 - 1
+
+
 def load_renderer(
     tokenizer: str | None, reported_model: str | None, max_prompt_chars: int = 4_000_000
 ) -> Renderer:
@@ -645,6 +656,7 @@ def load_renderer(
         # hub lookup only retries for half a minute before failing anyway.
         return Renderer(
             AutoTokenizer.from_pretrained(name, local_files_only=True),
+            vocab_size=_model_vocab_size(name),
             max_prompt_chars=max_prompt_chars,
         )
     except Exception as e:  # transformers raises OSError, ValueError, HF errors...

@@ -12,8 +12,7 @@ import asyncio
 import hmac
 import json
 import sys
-import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -134,6 +133,32 @@ async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web
 
 
 # -- offline ----------------------------------------------------------------------------------
+async def _explain_lines(
+    gateway: Gateway, lines: Iterable[str], headers: dict[str, str], all_hashes: bool
+) -> int:
+    """Print one JSON line per body; return how many lines failed."""
+    failures = 0
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            endpoint = endpoint_of(json.loads(line))
+            rr = await gateway.prepare(line.encode(), headers, endpoint, f"line-{n}")
+            out = describe(rr, None, include_tokens=True, all_hashes=all_hashes)
+            out = {
+                "line": n,
+                "token_ids": out.pop("token_ids"),
+                "block_hashes": out.pop("block_hashes"),
+                **out,
+            }
+        except ValueError as e:
+            out, failures = {"line": n, "error": f"not JSON: {e}"}, failures + 1
+        except APIError as e:
+            out, failures = {"line": n, "error": e.message, "param": e.param}, failures + 1
+        print(json.dumps(out), flush=True)
+    return failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="prefix-router explain",
@@ -169,28 +194,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     headers = {"Authorization": f"Bearer {a.tenant_key}"} if a.tenant_key else {}
     stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
-    failures = 0
     with stream:
-        for n, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                endpoint = endpoint_of(json.loads(line))
-                rr = asyncio.run(
-                    gateway.prepare(
-                        line.encode(), headers, endpoint, f"line-{n}-{uuid.uuid4().hex[:6]}"
-                    )
-                )
-                out = describe(rr, None, include_tokens=True, all_hashes=a.all_hashes)
-                out = {
-                    "line": n,
-                    "token_ids": out.pop("token_ids"),
-                    "block_hashes": out.pop("block_hashes"),
-                    **out,
-                }
-            except ValueError as e:
-                out, failures = {"line": n, "error": f"not JSON: {e}"}, failures + 1
-            except APIError as e:
-                out, failures = {"line": n, "error": e.message, "param": e.param}, failures + 1
-            print(json.dumps(out), flush=True)
+        failures = asyncio.run(_explain_lines(gateway, stream, headers, a.all_hashes))
     return 1 if failures else 0
