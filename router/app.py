@@ -128,13 +128,17 @@ class Gateway:
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
         if self.renderer is None:
-            self.renderer = await asyncio.get_running_loop().run_in_executor(
-                self.executor,
-                load_renderer,
-                self.config.tokenizer,
-                self.fleet.base_model(),
-                self.config.max_prompt_chars,
-            )
+            try:
+                self.renderer = await asyncio.get_running_loop().run_in_executor(
+                    self.executor,
+                    load_renderer,
+                    self.config.tokenizer,
+                    self.fleet.base_model(),
+                    self.config.max_prompt_chars,
+                )
+            except BaseException:
+                await self.stop()  # exit cleanly: no half-open sessions or tasks left behind
+                raise
         log.info(
             "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
             len(self.fleet.replicas),
@@ -649,6 +653,8 @@ def load_renderer(
             "prefix-router: no --tokenizer given and no replica reported a model "
             "in /v1/models; pass --tokenizer PATH_OR_MODEL_ID"
         )
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+        raise SystemExit(f"prefix-router: tokenizer directory {name!r} does not exist")
     try:
         from transformers import AutoTokenizer
 

@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
             config.workers,
         )
     print(
-        f"prefix-router {__version__} listening on http://{config.host}:{config.port} "
+        f"prefix-router {__version__} starting on http://{config.host}:{config.port} "
         f"(policy {config.policy}, {len(config.replicas)} replicas, {config.workers} "
         f"worker{'s' if config.workers > 1 else ''})",
         flush=True,
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # transformers announces at import that PyTorch is absent; the gateway only needs tokenizers.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if argv and argv[0] in DELEGATED:
         try:
             return _delegate(argv[0], argv[1:])
