@@ -10,7 +10,6 @@ baselines exist for A/B runs. Add a policy by writing a class and registering it
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import xxhash
 
 from router.blocks import cacheable_blocks, pack_tokens
 from router.request import RoutedRequest
-from router.schedule.ring import HashRing
+from router.schedule.ring import HashRing, load_bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +92,7 @@ class TTFTPolicy:
             + prompt tokens already queued ahead on r
             + decode_cost x requests running on r.
     A prefix nobody holds goes to its ring owner (bounded loads). No replica takes more than
-    ``ceil(c x mean)`` requests while another has room, so a hot prefix spills to a second
+    ``ceil(c x mean) + 2`` requests while another has room, so a hot prefix spills to a second
     replica instead of pinning the fleet to one, and the spill replica then holds it too.
     """
 
@@ -112,8 +111,7 @@ class TTFTPolicy:
         n = req.num_tokens
         limit = cacheable_blocks(n, bs)
         key = routing_key(req)
-        total = sum(c.load for c in candidates) + 1
-        bound = math.ceil(self.c * total / len(candidates))
+        bound = load_bound(self.c, [c.load for c in candidates])
         over = {c.url for c in candidates if c.load + 1 > bound}
         if len(over) == len(candidates):
             over = set()
