@@ -289,8 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold", action="store_true", help="every prompt distinct (no reuse)")
     p.add_argument("--stream", action="store_true", help="streaming requests")
     p.add_argument("--policy", default="ttft")
-    p.add_argument("--workers", type=int, default=1, help="also run the gateway with this many "
-                   "worker processes (--workers)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also run the gateway with this many worker processes (--workers)",
+    )
     p.add_argument(
         "--peers",
         action="store_true",

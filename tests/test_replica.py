@@ -414,9 +414,7 @@ async def test_prompt_tokens_details_as_vllm_sends_them(
     assert (await complete(http, off, p))["usage"]["prompt_tokens_details"] is None
     old = await sim(instant=True, always_report_cached_tokens=False)
     assert (await complete(http, old, p))["usage"]["prompt_tokens_details"] is None
-    assert (await complete(http, old, p))["usage"]["prompt_tokens_details"] == {
-        "cached_tokens": 32
-    }
+    assert (await complete(http, old, p))["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     async with http.post(old.url + "/v1/completions", json=body) as resp:
         usage = (await sse_events(resp))[-2]["usage"]
     assert "prompt_tokens_details" not in usage  # unset in a stream's usage chunk

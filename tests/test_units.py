@@ -226,9 +226,17 @@ def test_conversations_behind_one_shared_system_prompt_spread():
     picks = collections.Counter()
     for i in range(200):
         ids = [7] * 512 + [i] * 256
-        req = RoutedRequest(request_id="r", endpoint="completions", model="m", tenant="t",
-                            body={}, stream=False, token_ids=ids, block_size=16,
-                            block_hashes=block_hashes(ids, 16))
+        req = RoutedRequest(
+            request_id="r",
+            endpoint="completions",
+            model="m",
+            tenant="t",
+            body={},
+            stream=False,
+            token_ids=ids,
+            block_size=16,
+            block_hashes=block_hashes(ids, 16),
+        )
         d = policy.choose(req, [Candidate(u, matched_blocks=32) for u in "abcd"])
         assert d.matched_blocks == 32 and d.reason == "prefix"
         picks[d.replica] += 1
