@@ -380,6 +380,7 @@ class Gateway:
             decision = await self.decide(rr, frozenset(tried))
             replica = self.fleet.replicas[decision.replica]
             self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+            self.policy.placed(decision)
             if self.redis is None:
                 await self.index.record(replica.url, rr.block_hashes)
             else:  # a Redis write stays off the request's critical path

@@ -241,3 +241,44 @@ def test_conversations_behind_one_shared_system_prompt_spread():
         assert d.matched_blocks == 32 and d.reason == "prefix"
         picks[d.replica] += 1
     assert len(picks) == 4 and max(picks.values()) < 100, picks
+
+
+def test_a_popular_prefix_at_light_load_spreads_by_recent_share():
+    # One tenant sends everything, one request at a time: nothing ever queues, so only the
+    # share bound can keep one replica from taking the whole fleet's traffic.
+    ring = HashRing(["a", "b", "c", "d"])
+    policy = build_policy("ttft", ring)
+    clock = [0.0]
+    policy.recent.clock = lambda: clock[0]
+    held: set[str] = set()
+    picks = collections.Counter()
+    for i in range(400):
+        clock[0] += 0.05  # 20 requests/s
+        ids = [5] * 800 + [i] * 32
+        req = RoutedRequest(
+            request_id="r",
+            endpoint="chat",
+            model="m",
+            tenant="t",
+            body={},
+            stream=False,
+            token_ids=ids,
+            block_size=16,
+            block_hashes=block_hashes(ids, 16),
+        )
+        d = policy.choose(
+            req, [Candidate(u, matched_blocks=50 if u in held else 0) for u in "abcd"]
+        )
+        policy.placed(d)
+        held.add(d.replica)
+        picks[d.replica] += 1
+    assert max(picks.values()) / (400 / 4) <= 1.3, picks
+    # ... while the first few requests stuck to one replica (below the sustained threshold).
+    fresh = build_policy("ttft", HashRing(["a", "b", "c", "d"]))
+    first = fresh.choose(_req(800), [Candidate(u) for u in "abcd"]).replica
+    for _ in range(8):
+        d = fresh.choose(
+            _req(800), [Candidate(u, matched_blocks=49 if u == first else 0) for u in "abcd"]
+        )
+        fresh.placed(d)
+        assert d.replica == first

@@ -10,7 +10,9 @@ baselines exist for A/B runs. Add a policy by writing a class and registering it
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,6 +71,10 @@ class Policy(Protocol):
 
     def choose(self, req: RoutedRequest, candidates: Sequence[Candidate]) -> Decision: ...
 
+    def placed(self, decision: Decision) -> None:
+        """The request was sent as decided (not called for explain)."""
+        ...
+
 
 def tie_key(req: RoutedRequest, held_blocks: int) -> int:
     """The ring key of the first block past ``held_blocks`` (the last block if none is)."""
@@ -83,6 +89,35 @@ def routing_key(req: RoutedRequest) -> int:
     if req.block_hashes:
         return req.block_hashes[0]
     return xxhash.xxh3_64_intdigest(pack_tokens(req.token_ids[:256]))
+
+
+# The share bound applies once the fleet has recently taken this many requests per replica
+# (decayed, half-life 10 s: about 1.1 request/s per replica sustained). Below that, a popular
+# prefix simply sticks: nothing queues, and spreading it would only cost cache hits.
+SHARE_MIN_RECENT = 16
+
+
+class RecentCounts:
+    """Requests routed to each replica, exponentially decayed (half-life ``half_life_s``)."""
+
+    def __init__(
+        self, half_life_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = math.log(2) / half_life_s
+        self.clock = clock
+        self._values: dict[str, tuple[float, float]] = {}  # url -> (count, at)
+
+    def _now(self, url: str, now: float) -> float:
+        value, at = self._values.get(url, (0.0, now))
+        return value * math.exp(-self.rate * (now - at))
+
+    def add(self, url: str) -> None:
+        now = self.clock()
+        self._values[url] = (self._now(url, now) + 1.0, now)
+
+    def counts(self, urls: Sequence[str]) -> dict[str, float]:
+        now = self.clock()
+        return {u: self._now(u, now) for u in urls}
 
 
 class TTFTPolicy:
@@ -105,16 +140,36 @@ class TTFTPolicy:
         self.ring = ring
         self.c = load_bound
         self.decode_cost = decode_cost_tokens
+        self.recent = RecentCounts()
+
+    def placed(self, decision: Decision) -> None:
+        self.recent.add(decision.replica)
+
+    def _over(self, candidates: Sequence[Candidate]) -> dict[str, str]:
+        """Replicas that may not take this request, and why. Two bounds, both ``c x mean``:
+        requests in flight now (bursts), and requests routed recently (a popular tenant at
+        light load never builds a queue, yet would take most of the fleet's traffic)."""
+        urls = [c.url for c in candidates]
+        bound = load_bound(self.c, [c.load for c in candidates])
+        over = {c.url: "over load bound" for c in candidates if c.load + 1 > bound}
+        recent = self.recent.counts(urls)
+        total = sum(recent.values())
+        if total >= SHARE_MIN_RECENT * len(urls):  # sustained traffic, not a few requests
+            share_bound = self.c * (total + 1) / len(urls) + 1
+            for url in urls:
+                if recent[url] + 1 > share_bound:
+                    over.setdefault(url, "over its share of recent requests")
+        if len(over) == len(urls):  # everyone is over: the bounds say nothing
+            over = {u: why for u, why in over.items() if why == "over load bound"}
+            if len(over) == len(urls):
+                over = {}
+        return over
 
     def choose(self, req: RoutedRequest, candidates: Sequence[Candidate]) -> Decision:
         bs = req.block_size
         n = req.num_tokens
         limit = cacheable_blocks(n, bs)
-        key = routing_key(req)
-        bound = load_bound(self.c, [c.load for c in candidates])
-        over = {c.url for c in candidates if c.load + 1 > bound}
-        if len(over) == len(candidates):
-            over = set()
+        over = self._over(candidates)
 
         scores = []
         for c in candidates:
@@ -129,7 +184,7 @@ class TTFTPolicy:
                     uncached_tokens=uncached,
                     queue_tokens=queue,
                     cost=uncached + queue,
-                    filtered="over load bound" if c.url in over else None,
+                    filtered=over.get(c.url),
                 )
             )
 
@@ -162,7 +217,12 @@ class TTFTPolicy:
         )
 
 
-class ConsistentHashPolicy:
+class _Stateless:
+    def placed(self, decision: Decision) -> None:
+        return None
+
+
+class ConsistentHashPolicy(_Stateless):
     """Baseline: the ring with bounded loads for every request; ignores the index."""
 
     name = "consistent_hash"
@@ -179,7 +239,7 @@ class ConsistentHashPolicy:
         return _plain(self.name, url, candidates, ring_choice=url)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(_Stateless):
     name = "round_robin"
     uses_index = False
 
@@ -191,7 +251,7 @@ class RoundRobinPolicy:
         return _plain(self.name, ordered[next(self._counter) % len(ordered)].url, candidates)
 
 
-class RandomPolicy:
+class RandomPolicy(_Stateless):
     name = "random"
     uses_index = False
 
@@ -202,7 +262,7 @@ class RandomPolicy:
         return _plain(self.name, self._rng.choice(list(candidates)).url, candidates)
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(_Stateless):
     """Baseline: fewest requests in flight; ties broken at random (never always the first)."""
 
     name = "least_loaded"
