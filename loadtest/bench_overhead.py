@@ -153,6 +153,38 @@ async def measure(
     return res
 
 
+async def memory_phase(gw: Proc, n: int, concurrency: int) -> list[tuple[int, float, float]]:
+    """Send ``n`` distinct 256-token token-id prompts; sample RSS and index size on the way."""
+    rng = random.Random(1)
+    out = []
+    checkpoints = {n // 4, n // 2, 3 * n // 4, n}
+    counter = iter(range(n))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
+        async def worker() -> None:
+            for i in counter:
+                ids = [rng.randrange(1000, 100000) for _ in range(256)]
+                body = json.dumps({"model": "Qwen/Qwen3-0.6B", "prompt": ids, "max_tokens": 1})
+                async with s.post(
+                    gw.url + "/v1/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                ) as r:
+                    await r.read()
+                if i + 1 in checkpoints:
+                    async with s.get(gw.url + "/metrics") as r:
+                        text = await r.text()
+                    blocks = sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in text.splitlines()
+                        if line.startswith("prefix_router_index_blocks{")
+                    )
+                    out.append((i + 1, gw.rss_mb(), blocks))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(out)
+
+
 def peer_commands(backends: list[str], port: int) -> dict[str, list[str]]:
     """Rust peers, when installed (``pip install vllm-router sglang-router``)."""
     out = {}
@@ -205,6 +237,7 @@ async def run(a: argparse.Namespace) -> int:
             a.stream,
         )
     results: list[Result] = []
+    memory: list[tuple[int, float, float]] = []
     with running() as procs:
         cmd = [sys.executable, "-m", "loadtest.fake_backend", "--ports", ",".join(map(str, ports))]
         procs.append(start("backends", cmd, backends))
@@ -226,6 +259,8 @@ async def run(a: argparse.Namespace) -> int:
             name = f"prefix-router {a.policy}" + (f" x{workers}" if workers > 1 else "")
             # With workers, CPU and memory are the parent's only: see the note in the table.
             results.append(await measure(name, [gw.url], bodies, *n, gw if workers == 1 else None))
+            if workers == 1 and a.memory_prefixes:
+                memory = await memory_phase(gw, a.memory_prefixes, a.concurrency)
             gw.stop()
 
         if a.peers:
@@ -242,6 +277,16 @@ async def run(a: argparse.Namespace) -> int:
                 results.append(await measure(name, [peer.url], bodies, *n, peer))
                 peer.stop()  # the peers share default side ports (metrics): one at a time
     print_table(results, a)
+    for sent, rss, blocks in memory:
+        print(
+            f"after {sent:>7,} distinct prefixes: gateway RSS {rss:6.0f} MB, index "
+            f"{blocks:,.0f} blocks"
+        )
+    if memory:
+        print(
+            "(the index is bounded by the replicas' capacity in blocks: RSS plateaus once it "
+            "is full, whatever the traffic)"
+        )
     return 0
 
 
@@ -268,6 +313,10 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
             f"{r.throughput_rps:8.0f} {r.throughput_rps / direct.throughput_rps:8.2f} "
             f"{cpu:>10} {rss:>7} {r.errors:6d}"
         )
+    if a.cold:
+        ours = next(r for r in results if r.name.startswith("prefix-router"))
+        per_k = (ours.p(50) - direct.p(50)) / (a.prompt_tokens / 1000)
+        print(f"cold prompts: the gateway adds {per_k:.3f} ms per 1,000 prompt tokens (p50)")
     ours_best = max(r.throughput_rps for r in results if r.name.startswith("prefix-router"))
     for r in results:
         if r.name == "direct" or r.name.startswith("prefix-router"):
@@ -299,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         "--peers",
         action="store_true",
         help="also run vllm-router and smg when installed (pip install vllm-router sglang-router)",
+    )
+    p.add_argument(
+        "--memory-prefixes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then send N distinct 256-token prompts and report the gateway's RSS "
+        "and index size (e.g. 100000)",
     )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
