@@ -135,15 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=400)
     p.add_argument("--max-seconds", type=float, default=90.0)
     p.add_argument("--gpu-blocks", type=int, default=2048, help="KV blocks per replica")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
     p.add_argument("--decode-tokens-per-s", type=float, default=400.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--policies",
-        default="ttft,client:round_robin",
+        default="ttft,round_robin",
         help="comma-separated: gateway policies (ttft, round_robin, least_loaded, "
         "consistent_hash, random) and client-side baselines (client:round_robin, "
-        "client:random); the first is compared with the last",
+        "client:random); the first is compared with the last. Both defaults run through the "
+        "gateway, so both pay the same proxy hop",
     )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
