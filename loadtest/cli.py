@@ -160,6 +160,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sim-decode-tps", type=float, help="decode tokens/s (default 2000)")
     s.add_argument("--sim-gpu-blocks", type=int, help="KV blocks per replica (default 4096)")
     s.add_argument("--sim-block-size", type=int, help="block size (default 16)")
+    s.add_argument(
+        "--processes",
+        action="store_true",
+        help="compare: run the simulated replicas and each gateway in their own processes, as "
+        "deployed, so the harness's own CPU does not slow them (recommended for TTFT figures)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,6 +413,8 @@ async def _cmd_compare(args: argparse.Namespace) -> list[RunResult]:
     if not policies:
         raise UsageError("compare needs --policies a,b (with --sim N) or --targets")
     n = args.sim or 3
+    if args.processes:
+        return await _compare_in_processes(args, policies, positions, n, label)
     for pos in positions:
         for policy in policies:
             async with simulated_replicas(n, seed=args.seed, **sim_overrides(args)) as urls:
@@ -415,6 +423,45 @@ async def _cmd_compare(args: argparse.Namespace) -> list[RunResult]:
                     results.append(await _run_one(target, args, pos, label(target.name, pos)))
                 finally:
                     await stop()
+    return results
+
+
+async def _compare_in_processes(
+    args: argparse.Namespace,
+    policies: list[str],
+    positions: list[str | None],
+    n: int,
+    label: Any,
+) -> list[RunResult]:
+    """``compare --processes``: fresh replica and gateway processes (loadtest.procs) per run."""
+    from loadtest import procs
+
+    flags = {
+        "prefill_tokens_per_s": "--prefill-tokens-per-s",
+        "decode_tokens_per_s": "--decode-tokens-per-s",
+        "num_gpu_blocks": "--num-gpu-blocks",
+        "block_size": "--block-size",
+    }
+    sim_args: list[str] = ["--seed", str(args.seed)]
+    for key, value in sim_overrides(args).items():
+        sim_args += ["--instant"] if key == "instant" else [flags[key], str(value)]
+    results: list[RunResult] = []
+    for pos in positions:
+        for policy in policies:
+            with procs.running() as running:
+                replicas = procs.start_replicas(n, *sim_args)
+                running.append(replicas)
+                if policy.startswith("client:"):
+                    base = policy.split(":", 1)[1]
+                    target: Target = ClientTarget(
+                        replicas.urls, base, seed=args.seed, name=f"{base} (client)"
+                    )
+                else:
+                    gw = procs.start_gateway(replicas.urls, "--policy", policy)
+                    running.append(gw)
+                    await procs.wait_ready(gw.url)
+                    target = GatewayTarget(gw.url, replicas.urls, policy=policy, name=policy)
+                results.append(await _run_one(target, args, pos, label(target.name, pos)))
     return results
 
 
