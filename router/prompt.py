@@ -9,7 +9,7 @@ renders the chat template in a Jinja environment built the way ``transformers`` 
 ``tokenizer.apply_chat_template``: later ``transformers`` releases changed what that does to
 messages (5.24 drops ``None``-valued keys), and rendering the compiled template directly is also
 cheaper. ``tests/test_prompt.py`` pins the behaviour against fixtures produced by vLLM itself
-(``tools/make_oracle_fixtures.py``); ``docs/prompt.md`` lists the normalisations.
+(``tools/make_oracle_fixtures.py``); the README section "Prompt rendering" lists the normalisations.
 
 Fast path: Hugging Face tokenizers cut the text at added tokens (``<|im_start|>``, ...) before
 normalising and running BPE, so a rendered prompt's ids are the concatenation of each

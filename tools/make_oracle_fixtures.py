@@ -607,7 +607,7 @@ def random_bodies(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
                 # Only string-valued text/refusal/thinking parts: vLLM's request model (a
                 # pydantic union) accepts or rejects a list holding an input_text part or a
                 # null text depending on the other parts and message fields; the Renderer
-                # accepts those (the replica rejects them, if it does). docs/prompt.md.
+                # accepts those (the replica rejects them, if it does). the README, "Prompt rendering".
                 kind = rng.choice(["text", "text", "text", "refusal", "thinking"])
                 key = {"refusal": "refusal", "thinking": "thinking"}.get(kind, "text")
                 parts.append({"type": kind, key: text()})

@@ -11,7 +11,7 @@ every key of one model, and so every key a script touches, lives in one Redis Cl
 
 Members are the 64-bit hash as 8 little-endian bytes (``encoding="binary"``, the default) or
 as its decimal string (``encoding="decimal"``); binary is ~2.5x smaller on the wire and in
-Redis and lets a whole prompt travel as one 8*n-byte argument (see docs/redis.md for figures).
+Redis and lets a whole prompt travel as one 8*n-byte argument (see the README section "Fleet mode" for figures).
 
 Recency: a record gives its blocks the scores ``top+1 .. top+n`` where ``top`` is the key's
 current highest score, last block lowest, so block 0 is the most recent (exactly the order
