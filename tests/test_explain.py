@@ -96,3 +96,40 @@ async def test_explain_never_shows_the_salt_and_needs_the_admin_key(fleet, gatew
             s, gw.url + "/v1/route/explain", {"neither": 1}, {"X-Admin-Key": "adm-key-123"}
         )
         assert status == 400
+
+
+async def test_gateway_ids_equal_the_replicas_tokenize(fleet, gateway):
+    """The gateway's ids (segment-cached fast path) equal what the replica's own /tokenize
+    returns (whole-prompt path) for varied chat requests: system prompts, multi-turn, tools,
+    content parts, non-ASCII, special-token text."""
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url])
+    # Truncation and kv_transfer_params change the prompt outside the chat form of /tokenize.
+    chats = [
+        c["body"]
+        for c in VALID
+        if "messages" in c["body"]
+        and not {"truncate_prompt_tokens", "kv_transfer_params"} & set(c["body"])
+    ]
+    assert len(chats) >= 25
+    async with aiohttp.ClientSession() as s:
+        for body in chats:
+            _, _, ex = await post(s, gw.url + "/v1/route/explain?token_ids=1", body)
+            tok_body = {
+                k: v
+                for k, v in body.items()
+                if k
+                in (
+                    "messages",
+                    "tools",
+                    "add_generation_prompt",
+                    "continue_final_message",
+                    "chat_template_kwargs",
+                    "reasoning_effort",
+                )
+            }
+            status, _, tok = await post(
+                s, replicas[0].url + "/tokenize", {"model": "Qwen/Qwen3-0.6B", **tok_body}
+            )
+            assert status == 200, tok
+            assert ex["token_ids"] == tok["tokens"], body
