@@ -636,6 +636,19 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
+def offline_gateway(tokenizer: str, block_size: int, config_file: str | None) -> Gateway:
+    """A gateway with no replicas for the offline commands (explain, diagnose): the live
+    path's rendering, salt policy and hashing. Raises ``ConfigError``."""
+    import argparse
+
+    from router.config import load_config
+
+    config = load_config(
+        argparse.Namespace(config=config_file), tokenizer=tokenizer, block_size=block_size
+    )
+    return Gateway(config, load_renderer(tokenizer, None, config.max_prompt_chars))
+
+
 def _model_vocab_size(name: str) -> int:
     """Token ids a completions prompt may carry: the model's ``vocab_size`` from a
     ``config.json`` beside the tokenizer (it is larger than the tokenizer's own vocabulary,

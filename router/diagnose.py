@@ -1377,16 +1377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
 
-    from router.app import Gateway, load_renderer
-    from router.config import ConfigError, load_config
+    from router.app import offline_gateway
+    from router.config import ConfigError
     from router.errors import APIError
     from router.explain import endpoint_of
 
     try:
-        config = load_config(
-            argparse.Namespace(config=a.config), tokenizer=a.tokenizer, block_size=a.block_size
-        )
-        gateway = Gateway(config, load_renderer(a.tokenizer, None))
+        gateway = offline_gateway(a.tokenizer, a.block_size, a.config)
     except ConfigError as e:
         print(f"prefix-router diagnose: {e}", file=sys.stderr)
         return 2

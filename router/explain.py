@@ -181,19 +181,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
 
-    from router.app import Gateway, load_renderer
-    from router.config import ConfigError, load_config
+    from router.app import offline_gateway
+    from router.config import ConfigError
 
     try:
-        config = load_config(
-            argparse.Namespace(config=a.config), tokenizer=a.tokenizer, block_size=a.block_size
-        )
-        gateway = Gateway(config, load_renderer(a.tokenizer, None))
+        gateway = offline_gateway(a.tokenizer, a.block_size, a.config)
     except ConfigError as e:
         print(f"prefix-router explain: {e}", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {a.tenant_key}"} if a.tenant_key else {}
-    stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
+    try:
+        stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        print(f"prefix-router explain: cannot read {a.file}: {e.strerror}", file=sys.stderr)
+        return 2
     with stream:
         failures = asyncio.run(_explain_lines(gateway, stream, headers, a.all_hashes))
     return 1 if failures else 0
