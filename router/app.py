@@ -48,12 +48,6 @@ GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
-    request: RoutedRequest
-    decision: Decision
-
-
 class Gateway:
     """One gateway process: its fleet view, index, policy and upstream session."""
 
@@ -395,6 +389,12 @@ class Gateway:
                 )
             except UpstreamUnavailable as e:
                 tried.add(replica.url)
+                # It never computed the blocks recorded for it above: take back what was new.
+                unsent = rr.block_hashes[decision.matched_blocks :]
+                if self.redis is None:
+                    await self.index.forget(replica.url, unsent)
+                else:
+                    self._spawn(self.index.forget(replica.url, unsent))
                 self.metrics.retries.labels(replica.url, e.why).inc()
                 self.metrics.requests.labels(replica.url, decision.policy, "unavailable").inc()
                 await self.fleet.record_failure(replica, e.why)

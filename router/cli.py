@@ -108,7 +108,6 @@ def _run_workers(config: Config) -> int:
         p.join()
         status = status or (p.exitcode or 0)
     return status
-    return 0
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
