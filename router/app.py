@@ -601,6 +601,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request("request body is not UTF-8") from None
     except ValueError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body

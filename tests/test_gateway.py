@@ -237,6 +237,7 @@ async def test_retry_on_503_and_passthrough_of_other_errors(fleet, gateway):
         (b'{"messages": [{"role": "user", "content": 12}]}', None),
         (b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": "a/b"}', "cache_salt"),
         (b"\xff\xfe", None),
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),  # hostile nesting
     ],
 )
 async def test_malformed_bodies_get_openai_4xx(fleet, gateway, raw, param):
