@@ -94,8 +94,9 @@ def test_ring_bounded_load_walks_past_a_full_member():
 # -- policies ---------------------------------------------------------------------------------
 
 
-def _req(n_tokens: int, first: int = 0) -> RoutedRequest:
-    ids = [first] * n_tokens
+def _req(n_tokens: int = 0, first: int = 0, ids: list[int] | None = None) -> RoutedRequest:
+    """A routed request of ``n_tokens`` copies of ``first``, or of the given ``ids``."""
+    ids = [first] * n_tokens if ids is None else ids
     return RoutedRequest(
         request_id="r",
         endpoint="chat",
@@ -226,17 +227,7 @@ def test_conversations_behind_one_shared_system_prompt_spread():
     picks = collections.Counter()
     for i in range(200):
         ids = [7] * 512 + [i] * 256
-        req = RoutedRequest(
-            request_id="r",
-            endpoint="completions",
-            model="m",
-            tenant="t",
-            body={},
-            stream=False,
-            token_ids=ids,
-            block_size=16,
-            block_hashes=block_hashes(ids, 16),
-        )
+        req = _req(ids=ids)
         d = policy.choose(req, [Candidate(u, matched_blocks=32) for u in "abcd"])
         assert d.matched_blocks == 32 and d.reason == "prefix"
         picks[d.replica] += 1
@@ -255,17 +246,7 @@ def test_a_popular_prefix_at_light_load_spreads_by_recent_share():
     for i in range(400):
         clock[0] += 0.05  # 20 requests/s
         ids = [5] * 800 + [i] * 32
-        req = RoutedRequest(
-            request_id="r",
-            endpoint="chat",
-            model="m",
-            tenant="t",
-            body={},
-            stream=False,
-            token_ids=ids,
-            block_size=16,
-            block_hashes=block_hashes(ids, 16),
-        )
+        req = _req(ids=ids)
         d = policy.choose(
             req, [Candidate(u, matched_blocks=50 if u in held else 0) for u in "abcd"]
         )
