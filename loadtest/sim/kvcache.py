@@ -148,6 +148,18 @@ class BlockPool:
                 del self._free[b.block_id]
             b.ref_cnt += 1
 
+    def _uncache(self, b: Block) -> bool:
+        """Drop ``b``'s hash from the cache map; True if it had one."""
+        if b.block_hash is None:
+            return False
+        holders = self._cached.get(b.block_hash)
+        if holders is not None:
+            holders.pop(b.block_id, None)
+            if not holders:
+                del self._cached[b.block_hash]
+        b.block_hash = None
+        return True
+
     def allocate(self, n: int) -> list[Block]:
         """Pop ``n`` blocks from the head of the free queue, evicting their hashes."""
         if n > len(self._free):
@@ -155,13 +167,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, b = self._free.popitem(last=False)
-            if b.block_hash is not None:
-                holders = self._cached.get(b.block_hash)
-                if holders is not None:
-                    holders.pop(b.block_id, None)
-                    if not holders:
-                        del self._cached[b.block_hash]
-                b.block_hash = None
+            if self._uncache(b):
                 self.evictions += 1
             b.ref_cnt = 1
             out.append(b)
@@ -188,12 +194,6 @@ class BlockPool:
         hashes were dropped."""
         dropped = 0
         for b in self._free.values():
-            if b.block_hash is not None:
-                holders = self._cached.get(b.block_hash)
-                if holders is not None:
-                    holders.pop(b.block_id, None)
-                    if not holders:
-                        del self._cached[b.block_hash]
-                b.block_hash = None
+            if self._uncache(b):
                 dropped += 1
         return dropped
