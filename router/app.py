@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,13 +288,13 @@ class Gateway:
         renderer = self.renderer
         if endpoint == "chat":
 
-            def work() -> list[int]:
-                return renderer.tokenize_chat(body)
+            def work() -> Sequence[int]:
+                return renderer.chat_ids(body)
         else:
 
-            def work() -> list[int]:
+            def work() -> Sequence[int]:
                 # Honours add_special_tokens and truncation; a batch routes on its first prompt.
-                return renderer.tokenize_completion_request(body)[0]
+                return renderer.completion_request_ids(body)[0]
 
         try:
             # Cached segments cost microseconds: tokenize in place, and hand a prompt with a

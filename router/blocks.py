@@ -50,13 +50,14 @@ def block_hashes(
         n = min(n, max_blocks)
     if n == 0:
         return []
-    buf = memoryview(pack_tokens(token_ids))
+    buf = pack_tokens(token_ids)
     step = 4 * block_size
     parent = root_hash(cache_salt, lora)
     out = []
     digest = xxhash.xxh3_64_intdigest
-    for i in range(n):
-        parent = digest(buf[i * step : (i + 1) * step], seed=parent)
+    # bytes slices and a positional seed: half the cost of memoryview slices and seed=.
+    for start in range(0, n * step, step):
+        parent = digest(buf[start : start + step], parent)
         out.append(parent)
     return out
 

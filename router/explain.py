@@ -61,7 +61,7 @@ def describe(
         "block_hashes": [f"{h:016x}" for h in hashes],
     }
     if include_tokens:
-        out["token_ids"] = rr.token_ids
+        out["token_ids"] = list(rr.token_ids)
     if decision is not None:
         out["policy"] = decision.policy
         out["decision"] = {

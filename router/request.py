@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ class RoutedRequest:
     tenant: str
     body: dict[str, Any]
     stream: bool
-    token_ids: list[int]
+    token_ids: Sequence[int]  # an array('I') on the gateway's path
     block_size: int
     block_hashes: list[int]
     cache_salt: str | None = None
