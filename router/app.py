@@ -37,6 +37,7 @@ from router.prompt import NeedsThread, Renderer
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, build_policy
 from router.tenancy import Tenancy
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("prefix_router")
 
@@ -69,10 +70,11 @@ class Gateway:
         self.executor = ThreadPoolExecutor(
             max(1, config.tokenize_threads), thread_name_prefix="tokenize"
         )
-        self.timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=config.connect_timeout_s,
-            sock_read=max(config.first_byte_timeout_s, config.idle_timeout_s),
+        # The proxy path's own client (router/upstream.py); ``session`` serves the fleet's
+        # health checks and scrapes.
+        self.upstream = UpstreamPool(
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=max(config.first_byte_timeout_s, config.idle_timeout_s),
         )
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -232,6 +234,7 @@ class Gateway:
             await self.redis.aclose()
         if self.session:
             await self.session.close()
+        self.upstream.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _sync_ring(self) -> None:
@@ -447,14 +450,7 @@ class Gateway:
         try:
             url = replica.url + PATHS[rr.endpoint]
             return await proxy(
-                self.session,
-                request,
-                url,
-                body,
-                headers,
-                extra,
-                self.timeout,
-                on_first_byte=first_byte,
+                self.upstream, request, url, body, headers, extra, on_first_byte=first_byte
             )
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -537,13 +533,12 @@ class Gateway:
             replica = min(replicas, key=lambda r: (r.inflight, r.url))
             try:
                 resp, _ = await proxy(
-                    self.session,
+                    self.upstream,
                     request,
                     replica.url + request.path,
                     raw,
                     headers,
                     {"x-request-id": request[REQUEST_ID]},
-                    self.timeout,
                 )
                 return resp
             except UpstreamUnavailable as e:

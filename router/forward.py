@@ -7,15 +7,16 @@ the bytes go to the client as they come, and a failure just ends the response.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+
+from router.upstream import UpstreamError, UpstreamPool
 
 HOP_BY_HOP = frozenset(
     {
@@ -76,10 +77,10 @@ def request_headers(
 
 
 def _response_headers(
-    upstream: aiohttp.ClientResponse, extra: Mapping[str, str]
+    upstream: Sequence[tuple[str, str]], extra: Mapping[str, str]
 ) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
-    for k, v in upstream.headers.items():
+    for k, v in upstream:
         if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id":
             out.add(k, v)
     out.update(extra)
@@ -116,13 +117,12 @@ def usage_of(body: bytes) -> tuple[int | None, int | None]:
 
 
 async def proxy(
-    session: aiohttp.ClientSession,
+    pool: UpstreamPool,
     request: web.Request,
     url: str,
     body: bytes,
     headers: Mapping[str, str],
     extra_headers: Mapping[str, str],
-    timeout: aiohttp.ClientTimeout,
     on_first_byte: Callable[[], None] | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
@@ -131,38 +131,31 @@ async def proxy(
     of its prefill). Raises ``UpstreamUnavailable`` only before anything reached the client."""
     start = time.perf_counter()
     try:
-        ctx = session.post(url, data=body, headers=headers, timeout=timeout)
-        upstream = await ctx.__aenter__()
-    except (
-        aiohttp.ClientConnectionError,
-        aiohttp.ClientPayloadError,
-        asyncio.TimeoutError,
-        OSError,
-    ) as e:
-        raise UpstreamUnavailable(type(e).__name__) from e
+        upstream = await pool.post(url, body, headers)
+    except UpstreamError as e:
+        raise UpstreamUnavailable(e.why) from e
     try:
         if upstream.status in RETRYABLE_STATUS:
             raise UpstreamUnavailable(f"HTTP {upstream.status}")
-        out_headers = _response_headers(upstream, extra_headers)
-        ctype = upstream.headers.get("Content-Type", "")
-        if "text/event-stream" not in ctype:
+        out_headers = _response_headers(upstream.headers, extra_headers)
+        if "text/event-stream" not in upstream.header("content-type"):
             try:
                 data = await upstream.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise UpstreamUnavailable(type(e).__name__) from e
+            except UpstreamError as e:
+                raise UpstreamUnavailable(e.why) from e
             first = time.perf_counter() - start
             cached, completion = usage_of(data) if upstream.status == 200 else (None, None)
             resp = web.Response(status=upstream.status, body=data, headers=out_headers)
             return resp, Outcome(upstream.status, first, cached, completion, True)
 
         # Streaming: relay chunk by chunk; the response is committed at the first chunk.
-        chunks = upstream.content.iter_any()
+        chunks = upstream.iter_chunks()
         try:
             first_chunk = await chunks.__anext__()
         except StopAsyncIteration:
             first_chunk = b""
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise UpstreamUnavailable(type(e).__name__) from e
+        except UpstreamError as e:
+            raise UpstreamUnavailable(e.why) from e
         first = time.perf_counter() - start
         if on_first_byte is not None:
             on_first_byte()
@@ -178,7 +171,7 @@ async def proxy(
                 tail = (tail + chunk)[-16384:]
             complete = True
             await stream.write_eof()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError, OSError):
+        except (UpstreamError, aiohttp.ClientError, ConnectionResetError, OSError):
             pass  # upstream broke or the client left: nothing more can be said in-band
         if not complete:
             upstream.close()  # drop the connection so the engine aborts the request
@@ -188,4 +181,4 @@ async def proxy(
         upstream.close()  # cancelled (client gone) or failed: never reuse a half-read socket
         raise
     finally:
-        await ctx.__aexit__(None, None, None)
+        upstream.release()  # a no-op unless the body was read to its end
