@@ -65,6 +65,7 @@ class Gateway:
             config.policy, self.ring, config.load_bound, config.decode_cost_tokens
         )
         self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        self.chain_cache = blocks.ChainCache()
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.executor = ThreadPoolExecutor(
@@ -306,7 +307,7 @@ class Gateway:
                 token_ids = work()
         except NeedsThread:
             token_ids = await asyncio.get_running_loop().run_in_executor(self.executor, work)
-        hashes = blocks.block_hashes(
+        hashes = self.chain_cache.block_hashes(
             token_ids,
             self.block_size,
             cache_salt=salt.salt,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import collections
 import random
+from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from router.blocks import block_hashes, cacheable_blocks
+from router.blocks import ChainCache, block_hashes, cacheable_blocks
 from router.config import ConfigError, add_arguments, dump_yaml, load_config
 from router.index import MemoryIndex
 from router.request import RoutedRequest
@@ -37,6 +40,46 @@ def test_salt_and_adapter_rekey_every_block():
     assert not set(salted) & set(block_hashes(ids, 16, cache_salt="s2"))
     assert not set(plain) & set(block_hashes(ids, 16, lora="adapter"))
     assert salted == block_hashes(ids, 16, cache_salt="s1")
+
+
+@given(
+    shared=st.integers(0, 3),
+    tail=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    block_size=st.sampled_from([1, 2, 16]),
+    salt=st.sampled_from([None, "a", "b"]),
+    lora=st.sampled_from([None, "adapter"]),
+    max_blocks=st.sampled_from([None, 0, 3, 40]),
+    packed=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_chain_cache_equals_block_hashes(shared, tail, block_size, salt, lora, max_blocks, packed):
+    """Memoised runs of blocks never change a hash: same prefixes under another salt, adapter,
+    block size or cut-off, in a cache small enough to evict."""
+    ids = PREFIXES[shared] + tail
+    got = CHAIN_CACHE.block_hashes(
+        array("I", ids) if packed else ids,
+        block_size,
+        cache_salt=salt,
+        lora=lora,
+        max_blocks=max_blocks,
+    )
+    assert got == block_hashes(ids, block_size, cache_salt=salt, lora=lora, max_blocks=max_blocks)
+
+
+def test_chain_cache_hits_on_a_shared_prefix():
+    cache = ChainCache()
+    ids = list(range(1000))
+    first = cache.block_hashes(ids, 16)
+    held = len(cache._groups)
+    assert held == 1000 // 16 // ChainCache.GROUP
+    assert cache.block_hashes(ids + [7] * 50, 16)[: len(first)] == first
+    assert cache.block_hashes(ids, 16, cache_salt="s") != first  # a salt never hits
+    assert len(cache._groups) == 2 * held + 1  # the longer prompt added one, the salt its own
+
+
+_rng = random.Random(5)
+PREFIXES = [[], *([_rng.randrange(2**32) for _ in range(n)] for n in (64, 600, 1100))]
+CHAIN_CACHE = ChainCache(max_groups=3)
 
 
 def test_cacheable_blocks_caps_at_num_tokens_minus_one():
