@@ -377,12 +377,7 @@ class Gateway:
         while True:
             decision = await self.decide(rr, frozenset(tried))
             replica = self.fleet.replicas[decision.replica]
-            self.metrics.decisions.labels(decision.policy, decision.reason).inc()
             self.policy.placed(decision)
-            if self.redis is None:
-                await self.index.record(replica.url, rr.block_hashes)
-            else:  # a Redis write stays off the request's critical path
-                self._spawn(self.index.record(replica.url, rr.block_hashes))
             extra = {"x-request-id": request_id}
             if self.config.decision_headers:
                 extra["x-prefix-router-replica"] = replica.url
@@ -420,6 +415,15 @@ class Gateway:
             self._learn(rr, decision, outcome)
             return resp
 
+    async def _record_placement(self, rr: RoutedRequest, decision: Decision) -> None:
+        """The chosen replica will hold the prompt's blocks. Runs while the request is on
+        its way (``UpstreamPool.post``), and before anything else runs on this loop."""
+        if self.redis is None:
+            await self.index.record(decision.replica, rr.block_hashes)
+        else:  # a Redis write stays off the request's critical path
+            self._spawn(self.index.record(decision.replica, rr.block_hashes))
+        self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+
     async def _send(
         self,
         request: web.Request,
@@ -451,7 +455,14 @@ class Gateway:
         try:
             url = replica.url + PATHS[rr.endpoint]
             return await proxy(
-                self.upstream, request, url, body, headers, extra, on_first_byte=first_byte
+                self.upstream,
+                request,
+                url,
+                body,
+                headers,
+                extra,
+                on_first_byte=first_byte,
+                on_sent=lambda: self._record_placement(rr, decision),
             )
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()

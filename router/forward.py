@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -124,14 +124,16 @@ async def proxy(
     headers: Mapping[str, str],
     extra_headers: Mapping[str, str],
     on_first_byte: Callable[[], None] | None = None,
+    on_sent: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
 
-    ``on_first_byte`` runs when the replica's first body bytes arrive (for a stream, the end
-    of its prefill). Raises ``UpstreamUnavailable`` only before anything reached the client."""
+    ``on_sent`` runs while the replica works (``UpstreamPool.post``); ``on_first_byte`` when
+    its first body bytes arrive (for a stream, the end of its prefill). Raises
+    ``UpstreamUnavailable`` only before anything reached the client."""
     start = time.perf_counter()
     try:
-        upstream = await pool.post(url, body, headers)
+        upstream = await pool.post(url, body, headers, on_sent)
     except UpstreamError as e:
         raise UpstreamUnavailable(e.why) from e
     try:

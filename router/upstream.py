@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -206,9 +206,19 @@ class UpstreamPool:
         self._origins: dict[str, tuple[str, int, ssl.SSLContext | None, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Response:
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        on_sent: Callable[[], Awaitable[None]] | None = None,
+    ) -> Response:
         """Send the request; return once the response headers are in. Raises
-        ``UpstreamError`` if no response started (always safe to retry elsewhere)."""
+        ``UpstreamError`` if no response started (always safe to retry elsewhere).
+
+        ``on_sent`` runs once, while the replica works: right after the request is written
+        to a pooled connection, or before a new connection's connect (so that nothing else
+        runs on the event loop between the caller's last step and ``on_sent``)."""
         origin, path = _split(url)
         host, port, sslctx, host_header = self._origin(origin)
         head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nHost: ", host_header]
@@ -220,11 +230,17 @@ class UpstreamPool:
         while True:
             conn, reused = self._take_idle(origin, loop), True
             if conn is None:
+                if on_sent is not None:
+                    await on_sent()
+                    on_sent = None
                 conn, reused = await self._connect(loop, host, port, sslctx), False
             assert conn.transport is not None
             conn.transport.write(request + body if len(body) < 65536 else request)
             if len(body) >= 65536:
                 conn.transport.write(body)
+            if on_sent is not None:
+                await on_sent()
+                on_sent = None
             try:
                 while not conn.headers_done:
                     if conn.error is not None:
