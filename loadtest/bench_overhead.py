@@ -317,12 +317,12 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
         ours = next(r for r in results if r.name.startswith("prefix-router"))
         per_k = (ours.p(50) - direct.p(50)) / (a.prompt_tokens / 1000)
         print(f"cold prompts: the gateway adds {per_k:.3f} ms per 1,000 prompt tokens (p50)")
-    ours_best = max(r.throughput_rps for r in results if r.name.startswith("prefix-router"))
-    for r in results:
-        if r.name == "direct" or r.name.startswith("prefix-router"):
+    ours = [r for r in results if r.name.startswith("prefix-router")]
+    for peer in results:
+        if peer.name == "direct" or peer in ours:
             continue
-        ours = ours_best / r.throughput_rps
-        print(f"prefix-router / {r.name}: {ours:.2f}x throughput")
+        ratios = ", ".join(f"{o.name}: {o.throughput_rps / peer.throughput_rps:.2f}x" for o in ours)
+        print(f"throughput vs {peer.name}: {ratios}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -412,7 +412,8 @@ class Gateway:
                 )
                 continue
             self.fleet.record_success(replica)
-            self._learn(rr, decision, outcome)
+            # After the response is written (the next loop turn, before any new request).
+            asyncio.get_running_loop().call_soon(self._learn, rr, decision, outcome)
             return resp
 
     async def _record_placement(self, rr: RoutedRequest, decision: Decision) -> None:
