@@ -52,6 +52,7 @@ class _Connection(asyncio.Protocol):
         self.headers_done = False
         self.message_done = False
         self.keep_alive = False
+        self.stray = False
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
@@ -77,15 +78,25 @@ class _Connection(asyncio.Protocol):
                 self._fail(UpstreamError("closed" if exc is None else type(exc).__name__))
 
     # -- httptools callbacks ----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.message_done:  # a second answer to one request (a 408 while idle, say)
+            self.stray = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if self.stray:
+            return
+        self.headers.append((name.decode("latin-1"), value.decode("utf-8", "replace")))
 
     def on_headers_complete(self) -> None:
+        if self.stray:
+            return
         self.status = self.parser.get_status_code()
         self.headers_done = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.stray:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > READ_AHEAD_BYTES and not self.paused and self.transport:
@@ -94,6 +105,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.stray:
+            return
         self.message_done = True
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         self._wake()
@@ -223,7 +236,10 @@ class UpstreamPool:
         host, port, sslctx, host_header = self._origin(origin)
         head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nHost: ", host_header]
         for k, v in headers.items():
-            head += (b"\r\n", k.encode("latin-1"), b": ", v.encode("latin-1"))
+            if "\n" in v or "\r" in v:  # never let a value (say, a configured key) split lines
+                continue
+            # aiohttp hands header text over as UTF-8 with surrogateescape: the client's bytes.
+            head += (b"\r\n", _wire(k), b": ", _wire(v))
         head += (b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n\r\n")
         request = b"".join(head)
         loop = asyncio.get_running_loop()
@@ -288,13 +304,14 @@ class UpstreamPool:
         now = loop.time()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+            # Bytes that arrived while idle (a 408, say) belong to no request of ours.
+            if not conn.closed and not conn.got_bytes and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.abort()
         return None
 
     def _put_back(self, origin: str, conn: _Connection) -> None:
-        if conn.closed or not conn.message_done or not conn.keep_alive:
+        if conn.closed or not conn.message_done or not conn.keep_alive or conn.stray:
             conn.abort()
             return
         idle = self._idle.setdefault(origin, [])
@@ -310,6 +327,13 @@ class UpstreamPool:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
+
+
+def _wire(text: str) -> bytes:
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no decoder produced: keep the request going
+        return text.encode("utf-8", "replace")
 
 
 def _split(url: str) -> tuple[str, str]:

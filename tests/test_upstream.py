@@ -195,3 +195,29 @@ async def test_a_slow_reader_pauses_the_socket(serve):
     assert conn.paused and conn.buffered <= 2 * READ_AHEAD_BYTES  # not the whole body
     assert await resp.read() == big
     pool.close()
+
+
+async def test_bytes_sent_while_idle_are_never_taken_as_the_next_answer(serve):
+    def answer_then_408(req: bytes, w: asyncio.StreamWriter) -> None:
+        fixed(b"first")(req, w)
+        w.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+
+    server = await serve(answer_then_408)
+    pool = UpstreamPool(connect_timeout=5, read_timeout=5)
+    resp = await pool.post(server.url + "/", b"{}", {})
+    assert await resp.read() == b"first"
+    resp = await pool.post(server.url + "/", b"{}", {})
+    assert resp.status == 200 and await resp.read() == b"first"
+    pool.close()
+
+
+async def test_header_bytes_pass_through_and_line_breaks_never_do(serve):
+    server = await serve(fixed(b"ok"))
+    pool = UpstreamPool(connect_timeout=5, read_timeout=5)
+    # What aiohttp's server hands over for the raw bytes "caf\xc3\xa9 \xff".
+    headers = {"X-Name": "café \udcff", "X-Evil": "a\r\nX-Injected: 1"}
+    await (await pool.post(server.url + "/", b"{}", headers)).read()
+    sent = server.requests[0]
+    assert b"\r\nX-Name: caf\xc3\xa9 \xff\r\n" in sent
+    assert b"X-Injected" not in sent and b"X-Evil" not in sent
+    pool.close()
