@@ -44,23 +44,30 @@ def block_hashes(
 ) -> list[int]:
     """Hashes of the leading full blocks of ``token_ids`` (a partial last block is never cached
     by vLLM, so it is never hashed). At most ``max_blocks`` are computed."""
+    n = _full_blocks(token_ids, block_size, max_blocks)
+    out: list[int] = []
+    if n:
+        step = 4 * block_size
+        _chain(pack_tokens(token_ids), 0, n * step, step, root_hash(cache_salt, lora), out)
+    return out
+
+
+def _full_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None) -> int:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     n = len(token_ids) // block_size
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    if n == 0:
-        return []
-    buf = pack_tokens(token_ids)
-    step = 4 * block_size
-    parent = root_hash(cache_salt, lora)
-    out = []
+    return n if max_blocks is None else min(n, max_blocks)
+
+
+def _chain(buf: bytes, start: int, end: int, step: int, parent: int, out: list[int]) -> int:
+    """Append the chained hashes of the ``step``-byte blocks of ``buf[start:end]`` to ``out``;
+    returns the last one (the parent of what follows)."""
     digest = xxhash.xxh3_64_intdigest
     # bytes slices and a positional seed: half the cost of memoryview slices and seed=.
-    for start in range(0, n * step, step):
-        parent = digest(buf[start : start + step], parent)
+    for at in range(start, end, step):
+        parent = digest(buf[at : at + step], parent)
         out.append(parent)
-    return out
+    return parent
 
 
 class ChainCache:
@@ -89,11 +96,7 @@ class ChainCache:
         lora: str | None = None,
         max_blocks: int | None = None,
     ) -> list[int]:
-        if block_size <= 0:
-            raise ValueError("block_size must be positive")
-        n = len(token_ids) // block_size
-        if max_blocks is not None:
-            n = min(n, max_blocks)
+        n = _full_blocks(token_ids, block_size, max_blocks)
         if n == 0:
             return []
         buf = pack_tokens(token_ids)
@@ -101,7 +104,6 @@ class ChainCache:
         parent = root_hash(cache_salt, lora)
         seed = parent ^ step  # the block size is part of the identity
         out: list[int] = []
-        digest = xxhash.xxh3_64_intdigest
         groups = self._groups
         group_bytes = self.GROUP * step
         full = n // self.GROUP * group_bytes
@@ -116,15 +118,11 @@ class ChainCache:
                 parent = hit[-1]
                 continue
             first = len(out)
-            for b in range(0, group_bytes, step):
-                parent = digest(chunk[b : b + step], parent)
-                out.append(parent)
+            parent = _chain(buf, start, start + group_bytes, step, parent, out)
             groups[k] = tuple(out[first:])
             if len(groups) > self.max_groups:
                 groups.popitem(last=False)
-        for start in range(full, n * step, step):
-            parent = digest(buf[start : start + step], parent)
-            out.append(parent)
+        _chain(buf, full, n * step, step, parent, out)
         return out
 
 

@@ -251,9 +251,10 @@ class UpstreamPool:
                     on_sent = None
                 conn, reused = await self._connect(loop, host, port, sslctx), False
             assert conn.transport is not None
-            conn.transport.write(request + body if len(body) < 65536 else request)
-            if len(body) >= 65536:
-                conn.transport.write(body)
+            if len(body) < 65536:  # one write; a large body is not copied to join it
+                conn.transport.write(request + body)
+            else:
+                conn.transport.writelines((request, body))
             if on_sent is not None:
                 await on_sent()
                 on_sent = None
