@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from router.schedule import Candidate
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.fleet")
 
@@ -203,11 +204,7 @@ class Fleet:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     async def _health_loop(self) -> None:

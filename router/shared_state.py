@@ -31,7 +31,6 @@ and ``members`` is None (route on local knowledge). Nothing here ever raises int
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from router.index.redis import DEFAULT_NAMESPACE, key_prefix
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,7 @@ class FleetSync:
         """Stop ticking. ``withdraw`` deletes this gateway's entry at once (graceful
         shutdown); without it the entry expires after ``ttl_s``, as after a crash."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(task)
         if withdraw:
             try:
                 pipe = self.client.pipeline(transaction=False)

@@ -33,7 +33,6 @@ it knows on its next record.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -338,11 +338,6 @@ class ResilientIndex:
 
     async def close(self) -> None:
         self._closed = True
-        tasks = [t for t in (self._probe_task, *self._late) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_wait(self._probe_task, *self._late)
         await self.local.close()
         await self.primary.close()
