@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import hmac
 import itertools
 import json
 import logging
 import time
+import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +39,7 @@ from router.metrics import Metrics
 from router.prompt import NeedsThread, Renderer
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, build_policy
-from router.tenancy import Tenancy
+from router.tenancy import SaltDecision, Tenancy
 from router.upstream import UpstreamPool
 
 log = logging.getLogger("prefix_router")
@@ -44,9 +47,29 @@ log = logging.getLogger("prefix_router")
 DEFAULT_BLOCK_SIZE = 16
 APP_HEADER = "X-Prefix-Router-App"  # optional client label that diagnostics group by
 INLINE_UNCACHED_CHARS = 4096  # more new text than this is tokenized in a thread (~1 ms)
+LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a thread
+LINGER_S = 1.0  # how long an unread body is drained before its connection closes
 REQUEST_ID = web.RequestKey("request_id", str)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """A parsed request whose model is served and whose salt is decided."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]  # as it will be forwarded (the salt policy applied)
+    client_body: dict[str, Any]  # as the client sent it
+    model: str
+    lora: str | None
+    salt: SaltDecision
+
+
+def release_free_memory() -> None:
+    """glibc's ``malloc_trim(0)``: return freed heap pages to the OS (a no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class Gateway:
@@ -90,6 +113,7 @@ class Gateway:
         self.sync: Any = None
         self.discovery: Any = None  # DNS discovery of replicas, when configured
         self._fallbacks_seen = 0
+        self._receiving_bytes = 0  # bytes reserved by bodies being read right now
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -264,19 +288,82 @@ class Gateway:
 
     # -- the request path -------------------------------------------------------------------
     async def prepare(
-        self, raw: bytes, headers: Mapping[str, str], endpoint: Endpoint, request_id: str
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        endpoint: Endpoint,
+        request_id: str,
+        tenant: str | None = None,
     ) -> RoutedRequest:
         """Identify the tenant, parse, apply the salt policy, tokenize and hash. Needs no
-        replica: ``prefix-router explain`` runs it offline."""
-        tenant = self.tenancy.identify(headers)
-        body = parse_body(raw, endpoint)
+        replica: ``prefix-router explain`` runs it offline. ``tenant``: already identified
+        (from the headers, before the body was read)."""
+        if tenant is None:
+            tenant = self.tenancy.identify(headers)
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        if len(raw) > LARGE_BODY_BYTES:
+            # Parsing, normalising and rendering a big body is pure Python: in a thread the
+            # interpreter hands the event loop the GIL every few ms, so /health and other
+            # requests keep being answered meanwhile.
+            admitted, token_ids = await loop.run_in_executor(
+                self.executor, self._admit_and_tokenize, raw, endpoint, tenant
+            )
+        else:
+            admitted = self._admit(raw, endpoint, tenant)
+            try:
+                # Cached segments cost microseconds: tokenize in place, and hand a prompt with
+                # a lot of new text to a thread (the Rust tokenizer releases the GIL there).
+                with self._renderer().inline(INLINE_UNCACHED_CHARS):
+                    token_ids = self._tokenize(admitted)
+            except NeedsThread:
+                token_ids = await loop.run_in_executor(self.executor, self._tokenize, admitted)
+        body, salt = admitted.body, admitted.salt
+        hashes = self.chain_cache.block_hashes(
+            token_ids,
+            self.block_size,
+            cache_salt=salt.salt,
+            lora=admitted.lora,
+            max_blocks=self.config.max_hashed_blocks,
+        )
+        self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        app_label = headers.get(APP_HEADER) or None
+        return RoutedRequest(
+            request_id=request_id,
+            endpoint=endpoint,
+            model=admitted.model,
+            tenant=tenant,
+            body=body,
+            stream=bool(body.get("stream", False)),
+            token_ids=token_ids,
+            block_size=self.block_size,
+            block_hashes=hashes,
+            cache_salt=salt.salt,
+            lora=admitted.lora,
+            salt_policy=salt.policy,
+            app_label=app_label[:64] if app_label else None,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            # Unchanged bodies are forwarded as the client's own bytes.
+            extras={"raw": raw if body is admitted.client_body else None},
+        )
+
+    def _renderer(self) -> Renderer:
         assert self.renderer is not None
+        return self.renderer
+
+    def _admit(self, raw: bytes, endpoint: Endpoint, tenant: str) -> _Admitted:
+        """Parse the body, check that some replica serves its model, and decide its salt:
+        everything that comes before tokenizing. A request for a model nobody serves is
+        refused here, so it cannot be used to time the tokenizer's caches for free."""
+        body = parse_body(raw, endpoint)
         model = body.get("model")
         fleet = self.fleet
         if model is None:
             model = (fleet.base_model() if fleet else None) or ""
+        if fleet is not None:
+            self._serving(model)
         lora = model if fleet and fleet.adapter_parent(model) else None
-
         salt = self.tenancy.salt(
             tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
         )
@@ -287,59 +374,28 @@ class Gateway:
                 body.pop("cache_salt", None)
             else:
                 body["cache_salt"] = salt.salt
+        return _Admitted(endpoint, body, client_body, model, lora, salt)
 
-        t0 = time.perf_counter()
-        renderer = self.renderer
-        if endpoint == "chat":
+    def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
+        renderer = self._renderer()
+        # The segment cache is scoped like the replicas' prefix caches: by the salt sent.
+        with renderer.cache_scope(admitted.salt.salt):
+            if admitted.endpoint == "chat":
+                return renderer.chat_ids(admitted.body)
+            # Honours add_special_tokens and truncation; a batch routes on its first prompt.
+            return renderer.completion_request_ids(admitted.body)[0]
 
-            def work() -> Sequence[int]:
-                return renderer.chat_ids(body)
-        else:
+    def _admit_and_tokenize(
+        self, raw: bytes, endpoint: Endpoint, tenant: str
+    ) -> tuple[_Admitted, Sequence[int]]:
+        admitted = self._admit(raw, endpoint, tenant)
+        return admitted, self._tokenize(admitted)
 
-            def work() -> Sequence[int]:
-                # Honours add_special_tokens and truncation; a batch routes on its first prompt.
-                return renderer.completion_request_ids(body)[0]
-
-        try:
-            # Cached segments cost microseconds: tokenize in place, and hand a prompt with a
-            # lot of new text to a thread (the Rust tokenizer releases the GIL there).
-            with renderer.inline(INLINE_UNCACHED_CHARS):
-                token_ids = work()
-        except NeedsThread:
-            token_ids = await asyncio.get_running_loop().run_in_executor(self.executor, work)
-        hashes = self.chain_cache.block_hashes(
-            token_ids,
-            self.block_size,
-            cache_salt=salt.salt,
-            lora=lora,
-            max_blocks=self.config.max_hashed_blocks,
-        )
-        self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        app_label = headers.get(APP_HEADER) or None
-        return RoutedRequest(
-            request_id=request_id,
-            endpoint=endpoint,
-            model=model,
-            tenant=tenant,
-            body=body,
-            stream=bool(body.get("stream", False)),
-            token_ids=token_ids,
-            block_size=self.block_size,
-            block_hashes=hashes,
-            cache_salt=salt.salt,
-            lora=lora,
-            salt_policy=salt.policy,
-            app_label=app_label[:64] if app_label else None,
-            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-            # Unchanged bodies are forwarded as the client's own bytes.
-            extras={"raw": raw if body is client_body else None},
-        )
-
-    async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+    def _serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+        """The replicas that can take a request for ``model``, or the error that says why
+        none can."""
         assert self.fleet is not None
-        t0 = time.perf_counter()
-        replicas = [r for r in self.fleet.serving(rr.model) if r.url not in exclude]
+        replicas = [r for r in self.fleet.serving(model) if r.url not in exclude]
         if not replicas:
             if not self.fleet.healthy():
                 raise APIError(503, "no healthy replica is available", code="no_replica")
@@ -349,19 +405,74 @@ class Gateway:
                 )
             raise APIError(
                 404,
-                f"The model `{rr.model}` does not exist.",
+                f"The model `{model}` does not exist.",
                 param="model",
                 code="model_not_found",
             )
+        return replicas
+
+    async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        t0 = time.perf_counter()
+        replicas = self._serving(rr.model, exclude)
         urls = [r.url for r in replicas]
         matches = await self.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         return decision
 
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body, once the headers were authenticated: bounded in time and in the
+        bytes all requests may be sending at once, so slow or huge bodies cannot pile up."""
+        limit = self.config.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise APIError(
+                413,
+                f"request body too large: {length} bytes, the limit is {limit}",
+                code="body_too_large",
+                close_connection=True,
+            )
+        reserve = length if length is not None else limit
+        if self._receiving_bytes + reserve > self.config.max_inflight_body_bytes:
+            self.metrics.rejected.labels("inflight_bytes").inc()
+            raise APIError(
+                503,
+                "the gateway is receiving too many request bytes at once; retry shortly",
+                code="overloaded",
+                close_connection=True,
+            )
+        self._receiving_bytes += reserve
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            self.metrics.rejected.labels("body_timeout").inc()
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                code="body_timeout",
+                close_connection=True,
+            ) from None
+        finally:
+            self._receiving_bytes -= reserve
+
     async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         request_id = request[REQUEST_ID]
-        rr = await self.prepare(await request.read(), request.headers, endpoint, request_id)
+        tenant = self.tenancy.identify(request.headers)  # before reading a byte of the body
+        raw = await self.read_body(request)
+        try:
+            rr = await self.prepare(raw, request.headers, endpoint, request_id, tenant)
+            return await self._route(request, rr)
+        finally:
+            if len(raw) > LARGE_BODY_BYTES:
+                self._spawn(self._trim_heap())
+
+    async def _trim_heap(self) -> None:
+        """Hand the memory a large request used back to the OS (glibc keeps freed arenas)."""
+        await asyncio.get_running_loop().run_in_executor(self.executor, release_free_memory)
+
+    async def _route(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
+        request_id = rr.request_id
         assert self.fleet is not None
         raw = rr.extras.get("raw")
         body = raw if raw is not None else json.dumps(rr.body).encode()
@@ -529,7 +640,7 @@ class Gateway:
         """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
         self.tenancy.identify(request.headers)
         assert self.fleet is not None
-        raw = await request.read()
+        raw = await self.read_body(request)
         parse_json_object(raw)
         headers = request_headers(
             request.headers,
@@ -568,6 +679,22 @@ class Gateway:
 
         return await explain.handle(self, request, request[REQUEST_ID])
 
+    def _check_admin(self, request: web.Request) -> None:
+        """The admin key, as ``X-Admin-Key`` or as a bearer token (what Prometheus'
+        ``authorization`` scrape setting sends)."""
+        key = self.config.admin_key
+        given = request.headers.get("X-Admin-Key", "")
+        scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+        if not given and scheme.lower() == "bearer":
+            given = bearer.strip()
+        if not key or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                401,
+                "with auth on, /metrics needs the admin key (X-Admin-Key or Authorization: "
+                "Bearer), or scrape the metrics_port listener",
+                code="invalid_admin_key",
+            )
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -586,6 +713,16 @@ class Gateway:
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        if self.config.auth:
+            # Tenant names, per-tenant counts and replica URLs are not for every API key:
+            # the admin key, or the separate metrics_port (a scrape-only listener).
+            self._check_admin(request)
+        return self.prometheus_text()
+
+    async def prometheus_unauthenticated(self, request: web.Request) -> web.Response:
+        return self.prometheus_text()
+
+    def prometheus_text(self) -> web.Response:
         if self.fleet:
             for url in self.fleet.replicas:
                 self.metrics.index_blocks.labels(url).set(self.index.size(url))
@@ -734,8 +871,12 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         raise
     except (ConnectionResetError, asyncio.CancelledError):
         raise
-    except Exception:
-        log.exception("request %s failed", request_id)
+    except Exception as e:
+        # One line at the default level: a hostile body must not write a 3,000-line
+        # traceback (a RecursionError's) to the log; the bounded traceback is for debug.
+        log.error("request %s failed: %s: %.200s", request_id, type(e).__name__, e)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("".join(traceback.format_exception(e, limit=-12)))
         return APIError(500, "internal error in the gateway", code="internal_error").response(rid)
     if not resp.prepared:
         resp.headers.setdefault("x-request-id", request_id)
@@ -746,7 +887,14 @@ def build_app(
     config: Config, renderer: Renderer | None = None, index: PrefixIndex | None = None
 ) -> web.Application:
     gateway = Gateway(config, renderer, index)
-    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(
+        middlewares=[errors_middleware],
+        client_max_size=config.max_body_bytes,
+        # A body refused unread (no key, too slow, over budget) is drained for at most this
+        # long, so the client can read its answer, then the connection closes (aiohttp's 10 s
+        # default let refused uploads hold connections).
+        handler_args={"lingering_time": LINGER_S},
+    )
     app[GATEWAY_KEY] = gateway
     app.router.add_post("/v1/chat/completions", gateway.chat)
     app.router.add_post("/v1/completions", gateway.completions)
@@ -759,19 +907,36 @@ def build_app(
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.prometheus)
 
+    metrics_runner: list[web.AppRunner] = []
+
     async def on_startup(app: web.Application) -> None:
         await gateway.start()
+        if config.metrics_port:
+            metrics_runner.append(await _start_metrics_listener(gateway, config))
 
     async def on_shutdown(app: web.Application) -> None:
         gateway.draining = True
 
     async def on_cleanup(app: web.Application) -> None:
+        for runner in metrics_runner:
+            await runner.cleanup()
         await gateway.stop()
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+async def _start_metrics_listener(gateway: Gateway, config: Config) -> web.AppRunner:
+    """A scrape-only listener: /metrics without a key, for a port only Prometheus reaches."""
+    app = web.Application()
+    app.router.add_get("/metrics", gateway.prometheus_unauthenticated)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.metrics_port, reuse_port=config.workers > 1)
+    await site.start()
+    return runner
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,11 @@ class Config:
         "routing policy: ttft (default: lowest estimated time to first "
         "token), round_robin, least_loaded, consistent_hash, random",
     )
+    metrics_port: int | None = _opt(
+        None,
+        "also serve /metrics on this port without a key (for Prometheus; with auth on, "
+        "/metrics on the main port needs the admin key)",
+    )
     log_level: str = _opt("info", "debug, info, warning or error")
     # -- routing
     max_hashed_blocks: int = _opt(4096, "hash at most this many leading blocks per request")
@@ -87,6 +93,14 @@ class Config:
     idle_timeout_s: float = _opt(600.0, "upstream max silence between streamed chunks")
     max_retries: int = _opt(2, "retries on another replica when one fails before the first byte")
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest accepted request body")
+    body_timeout_s: float = _opt(
+        60.0, "seconds a client may take to send a request body once its headers are in"
+    )
+    max_inflight_body_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "request-body bytes all clients together may be sending at once (a body without "
+        "Content-Length counts as max_body_bytes); beyond it new requests get a 503",
+    )
     max_prompt_chars: int = _opt(4_000_000, "largest rendered prompt, in characters")
     decision_headers: bool = _opt(
         True, "add x-prefix-router-replica and x-prefix-router-cached-blocks to responses"
@@ -144,8 +158,21 @@ class Config:
     def validate(self) -> Config:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1..65535, got {self.port}")
+        if self.metrics_port is not None and not (
+            0 < self.metrics_port < 65536 and self.metrics_port != self.port
+        ):
+            raise ConfigError(
+                f"metrics_port must be 1..65535 and differ from port, got {self.metrics_port}"
+            )
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.body_timeout_s <= 0:
+            raise ConfigError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
+                f"max_body_bytes ({self.max_body_bytes})"
+            )
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.load_bound < 1.0:
@@ -172,8 +199,20 @@ class Config:
             value = getattr(self, f.name)
             if f.metadata.get("secret") and value:
                 value = "***"
+            elif isinstance(value, str):
+                value = mask_url_credentials(value)
+            elif isinstance(value, list):
+                value = [mask_url_credentials(v) if isinstance(v, str) else v for v in value]
             out[f.name] = value
         return out
+
+
+_URL_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
+
+
+def mask_url_credentials(text: str) -> str:
+    """``redis://user:secret@host`` -> ``redis://***@host``: a URL's user info never shows."""
+    return _URL_CREDENTIALS.sub(r"\1***@", text)
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:

@@ -12,6 +12,7 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
@@ -34,8 +35,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
+        # Answer, then close: for a request whose body was not (fully) read, so the rest of
+        # it is neither read nor waited for.
+        self.close_connection = close_connection
         self.status = status
         self.message = message
         self.param = param
@@ -53,12 +58,15 @@ class APIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
             headers=headers,
         )
+        if self.close_connection:
+            resp.force_close()
+        return resp
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

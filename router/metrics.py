@@ -115,3 +115,10 @@ class Metrics:
         self.client_disconnects = Counter(
             "prefix_router_client_disconnects", "Clients that went away mid-request", registry=r
         )
+        self.rejected = Counter(
+            "prefix_router_rejected_requests",
+            "Requests refused before routing to protect the gateway, by reason "
+            "(body_timeout, inflight_bytes)",
+            ["reason"],
+            registry=r,
+        )

@@ -14,10 +14,10 @@ cheaper. ``tests/test_prompt.py`` pins the behaviour against fixtures produced b
 Fast path: Hugging Face tokenizers cut the text at added tokens (``<|im_start|>``, ...) before
 normalising and running BPE, so a rendered prompt's ids are the concatenation of each
 segment's ids. With ``segment_cache=True`` the ids of each segment are kept in an LRU keyed by
-the XXH3-128 of its UTF-8 bytes and bounded by the number of cached tokens, so a repeated
-3,000-token system prompt costs a hash and a dict lookup. The split is only used when it is
-provably equivalent for the tokenizer (see ``_segment_split_safe``); otherwise the whole prompt
-is encoded.
+the XXH3-128 of its UTF-8 bytes, seeded by the request's cache-salt scope (``cache_scope``), and
+bounded by the number of cached tokens, so a repeated 3,000-token system prompt costs a hash
+and a dict lookup. The split is only used when it is provably equivalent for the tokenizer (see
+``_segment_split_safe``); otherwise the whole prompt is encoded.
 """
 
 from __future__ import annotations
@@ -493,6 +493,20 @@ class NeedsThread(Exception):
 _INLINE_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "prefix_router_inline_budget", default=None
 )
+# Seed of the segment-cache keys in this context: the request's cache-salt scope (0 = the
+# unsalted scope). A hit is fast and a miss is slow, so a cache shared across scopes would
+# let one tenant time whether another recently sent a text; keys seeded by the scope keep
+# the scopes as far apart as the replicas' salted prefix caches are.
+_CACHE_SCOPE: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "prefix_router_cache_scope", default=0
+)
+
+
+def cache_scope_seed(cache_salt: str | None) -> int:
+    """The segment-cache seed of requests sent with ``cache_salt`` (0 when unsalted)."""
+    if not cache_salt:
+        return 0
+    return xxhash.xxh3_64_intdigest(cache_salt.encode("utf-8", "surrogatepass")) or 1
 
 
 class Renderer:
@@ -1186,6 +1200,16 @@ class Renderer:
         finally:
             _INLINE_BUDGET.reset(token)
 
+    @contextlib.contextmanager
+    def cache_scope(self, cache_salt: str | None) -> Iterator[None]:
+        """Within this block, segment-cache entries are those of the ``cache_salt`` scope:
+        text cached under another salt is a miss here, exactly as on a replica."""
+        token = _CACHE_SCOPE.set(cache_scope_seed(cache_salt))
+        try:
+            yield
+        finally:
+            _CACHE_SCOPE.reset(token)
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=...)``, through the segment cache when
         it is on and provably equivalent."""
@@ -1281,11 +1305,12 @@ class Renderer:
         found: dict[int, Sequence[int]] = {}
         missing: dict[int, str] = {}
         cache = self._cache
+        seed = _CACHE_SCOPE.get()
         for p in pieces:
             if isinstance(p, int):
                 continue
             try:
-                key = xxhash.xxh3_128_intdigest(p.encode("utf-8"))
+                key = xxhash.xxh3_128_intdigest(p.encode("utf-8"), seed)
             except UnicodeEncodeError:
                 raise _error("the prompt is not valid Unicode text") from None
             keys.append(key)

@@ -41,6 +41,7 @@ KEYS = {
 }
 WRONG_KEY = "sk-wrong-3d5f7b9a1c3e5a7b9d1f"
 SECRET_A = "rotation-secret-a-6b7c8d9e0f1a2b3c"
+ADMIN_KEY = "admin-key-5e6f7a8b9c0d1e2f3a4b"
 SECRET_B = "rotation-secret-b-1f2e3d4c5b6a7980"
 PUBLIC_SYSTEM = "Published support prompt of the ACME marketplace. " + LONG_SYSTEM
 
@@ -422,7 +423,7 @@ def test_keys_from_environment_and_config_overrides(tmp_path):
 
 async def test_no_key_or_secret_in_logs_or_metrics(tmp_path, fleet, gateway, caplog):
     caplog.set_level(logging.DEBUG)
-    gw, replica, path = await tenant_gateway(tmp_path, fleet, gateway)
+    gw, replica, path = await tenant_gateway(tmp_path, fleet, gateway, admin_key=ADMIN_KEY)
     url = gw.url + "/v1/chat/completions"
     async with aiohttp.ClientSession() as s:
         c = Client(s, gw, replica)
@@ -438,11 +439,20 @@ async def test_no_key_or_secret_in_logs_or_metrics(tmp_path, fleet, gateway, cap
         keys_file(path)
         gw.gateway.tenancy.maybe_reload(force=True)
         await c.chat(chat_body("after reload"), "acme")
-        async with s.get(gw.url + "/metrics") as resp:
+        # With auth on, /metrics (tenant names, counts, replica URLs) is the admin's only.
+        for headers in ({}, bearer("acme"), {"X-Admin-Key": "wrong"}):
+            async with s.get(gw.url + "/metrics", headers=headers) as resp:
+                assert resp.status == 401, headers
+                assert "acme" not in await resp.text()
+        async with s.get(gw.url + "/metrics", headers={"X-Admin-Key": ADMIN_KEY}) as resp:
             metrics = await resp.text()
+        async with s.get(
+            gw.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        ) as r:
+            assert r.status == 200  # what Prometheus' `authorization` scrape setting sends
     logged = caplog.text + "\n".join(str(r.args) for r in caplog.records)
     assert "keeping the previous tenants" in logged and "reloaded" in logged
-    for secret in [*KEYS.values(), WRONG_KEY, SECRET_A]:
+    for secret in [*KEYS.values(), WRONG_KEY, SECRET_A, ADMIN_KEY]:
         assert secret not in logged, secret
         assert secret not in metrics, secret
     for tenant in ("acme", "globex", "initech", "hooli"):
