@@ -424,8 +424,6 @@ class Gateway:
                 first_byte_s=outcome.first_byte_s,
                 completion_tokens=outcome.completion_tokens,
             )
-            if not replica.healthy:
-                self._sync_ring()  # this answer ejected it
             # After the response is written (the next loop turn, before any new request).
             asyncio.get_running_loop().call_soon(self._learn, rr, decision, outcome)
             return resp
