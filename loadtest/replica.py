@@ -342,8 +342,9 @@ class SimReplica:
     finished or aborted engine request (request_id, endpoint, model, lora, cache_salt,
     prompt_tokens, cached_tokens, completion_tokens, finish_reason, arrival, queue_s, ttft_s,
     e2e_s; times are the simulation's). ``engine`` exposes the scheduler and block pool.
-    ``fail_next`` / ``health_status`` inject faults; ``wait_idle`` / ``wait_for`` wait for
-    engine states without sleeping.
+    ``fail_next`` / ``hang_next`` / ``health_status`` inject faults (``hanging`` counts the
+    requests being held unanswered now); ``wait_idle`` / ``wait_for`` wait for engine states
+    without sleeping.
     """
 
     def __init__(self, config: SimConfig | None = None, renderer: Renderer | None = None) -> None:
@@ -357,6 +358,8 @@ class SimReplica:
         self.port: int | None = None
         self._fail_remaining = 0
         self._fail_status = 503
+        self._hang_remaining = 0
+        self.hanging = 0
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._created = int(time.time())
@@ -449,6 +452,11 @@ class SimReplica:
         """The next ``n`` generation requests answer ``status`` before any byte."""
         self._fail_remaining = max(0, int(n))
         self._fail_status = int(status)
+
+    def hang_next(self, n: int) -> None:
+        """The next ``n`` generation requests are accepted and never answered, until the
+        client drops the connection or the replica stops (a wedged server)."""
+        self._hang_remaining = max(0, int(n))
 
     def reset_cache(self) -> None:
         """Forget every cached block not in use by a running request."""
@@ -547,6 +555,15 @@ class SimReplica:
                 self._fail_status, f"Simulated failure (fail_next), status {self._fail_status}"
             )
 
+    async def _maybe_hang(self) -> None:
+        if self._hang_remaining > 0:
+            self._hang_remaining -= 1
+            self.hanging += 1
+            try:
+                await asyncio.Event().wait()  # cancelled when the connection goes away
+            finally:
+                self.hanging -= 1
+
     @staticmethod
     async def _offload(fn: Callable[[], _T], heavy: bool) -> _T:
         return await asyncio.to_thread(fn) if heavy else fn()
@@ -637,6 +654,7 @@ class SimReplica:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._maybe_fail()
+        await self._maybe_hang()
         body, size = await self._read_json(request)
         model, lora = self._resolve_model(body)
         salt = validate_cache_salt(body.get("cache_salt"))
@@ -661,6 +679,7 @@ class SimReplica:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         self._maybe_fail()
+        await self._maybe_hang()
         body, size = await self._read_json(request)
         model, lora = self._resolve_model(body)
         salt = validate_cache_salt(body.get("cache_salt"))

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +36,7 @@ from router.fleet import Fleet, Replica
 from router.forward import Outcome, UpstreamUnavailable, proxy, request_headers
 from router.index import MemoryIndex, PrefixIndex
 from router.metrics import Metrics
+from router.outlier import OutlierPolicy
 from router.prompt import NeedsThread, Renderer
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, build_policy
@@ -131,7 +132,10 @@ class Gateway:
             self.session,
             health_interval_s=self.config.health_interval_s,
             metrics_interval_s=self.config.metrics_interval_s,
-            eject_after_failures=self.config.eject_after_failures,
+            outlier=outlier_policy(self.config),
+            first_byte_timeout_s=self.config.first_byte_timeout_s,
+            first_byte_timeout_floor_s=self.config.first_byte_timeout_floor_s,
+            first_byte_timeout_factor=self.config.first_byte_timeout_factor,
             upstream_headers=headers,
             on_event=self._on_fleet_event,
         )
@@ -284,6 +288,8 @@ class Gateway:
             await self.index.drop_replica(replica.url)
         if event == "capacity":
             await self._apply_capacity(replica)
+        if event == "ejected":
+            self.metrics.ejections.labels(replica.url, replica.ejection_reason or "").inc()
         self._sync_ring()
 
     # -- the request path -------------------------------------------------------------------
@@ -522,7 +528,13 @@ class Gateway:
                     e.why,
                 )
                 continue
-            self.fleet.record_success(replica)
+            await self.fleet.record_response(
+                replica,
+                outcome.status,
+                stream=rr.stream,
+                first_byte_s=outcome.first_byte_s,
+                completion_tokens=outcome.completion_tokens,
+            )
             # After the response is written (the next loop turn, before any new request).
             asyncio.get_running_loop().call_soon(self._learn, rr, decision, outcome)
             return resp
@@ -563,10 +575,15 @@ class Gateway:
                 replica.pending_requests -= 1
                 replica.pending_prefill_tokens -= uncached
 
+        assert self.fleet is not None
+        tokens, n = rr.max_tokens, rr.body.get("n")
+        if tokens is not None and type(n) is int and n > 1:
+            tokens *= n  # completion_tokens counts every choice
+        timeout = self.fleet.first_byte_timeout(replica, rr.stream, tokens)
         try:
             url = replica.url + PATHS[rr.endpoint]
             return await proxy(
-                self.upstream,
+                cast(UpstreamPool, _HeadersWithin(self.upstream, timeout)),
                 request,
                 url,
                 body,
@@ -734,6 +751,39 @@ class Gateway:
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
+
+
+class _HeadersWithin:
+    """The upstream pool as ``proxy`` sees it for one request: its wait for response
+    headers bounded by ``timeout`` (what ``Fleet.first_byte_timeout`` derived)."""
+
+    __slots__ = ("pool", "timeout")
+
+    def __init__(self, pool: UpstreamPool, timeout: float | None) -> None:
+        self.pool = pool
+        self.timeout = timeout
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        on_sent: Any = None,
+    ) -> Any:
+        return await self.pool.post(url, body, headers, on_sent, timeout=self.timeout)
+
+
+def outlier_policy(config: Config) -> OutlierPolicy:
+    return OutlierPolicy(
+        window_s=config.outlier_window_s,
+        min_requests=config.outlier_min_requests,
+        error_ratio=config.outlier_error_ratio,
+        consecutive_failures=config.eject_after_failures,
+        base_ejection_s=config.ejection_base_s,
+        max_ejection_s=config.ejection_max_s,
+        max_ejected_percent=config.max_ejected_percent,
+        decay_s=config.ejection_decay_s,
+    )
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

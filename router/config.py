@@ -85,11 +85,46 @@ class Config:
     health_interval_s: float = _opt(2.0, "seconds between active /health checks")
     metrics_interval_s: float = _opt(1.0, "seconds between scrapes of the replicas' /metrics")
     eject_after_failures: int = _opt(
-        3, "consecutive request failures that eject a replica until its /health answers again"
+        3,
+        "consecutive request failures (5xx, timeouts, connection errors) that eject a replica",
+    )
+    outlier_window_s: float = _opt(
+        10.0, "seconds of request outcomes the error-ratio ejection looks at"
+    )
+    outlier_min_requests: int = _opt(
+        10, "outcomes in the window before a replica can be ejected on its error ratio"
+    )
+    outlier_error_ratio: float = _opt(
+        0.5,
+        "eject a replica when more than this share of its recent requests failed (5xx, "
+        "timeouts, connection errors; never 4xx)",
+    )
+    ejection_base_s: float = _opt(
+        5.0, "an ejection lasts this x the replica's recent ejections; /health cannot end it"
+    )
+    ejection_max_s: float = _opt(300.0, "longest ejection")
+    ejection_decay_s: float = _opt(
+        30.0, "a replica in rotation this long has one recent ejection forgiven"
+    )
+    max_ejected_percent: float = _opt(
+        50.0,
+        "at most this share of the replicas is ejected at once (at least one of two or "
+        "more; never the last in rotation)",
     )
     # -- forwarding
     connect_timeout_s: float = _opt(5.0, "upstream connect timeout")
-    first_byte_timeout_s: float = _opt(600.0, "upstream time to response headers")
+    first_byte_timeout_s: float = _opt(
+        600.0,
+        "upstream time to response headers, at most (a non-streaming answer's headers come "
+        "after its last token); the timeout used is derived from the replica's observed "
+        "answer times",
+    )
+    first_byte_timeout_factor: float = _opt(
+        3.0, "time-to-headers timeout = this x the replica's usual (about p99) answer time"
+    )
+    first_byte_timeout_floor_s: float = _opt(
+        10.0, "the derived time-to-headers timeout is never shorter than this"
+    )
     idle_timeout_s: float = _opt(600.0, "upstream max silence between streamed chunks")
     max_retries: int = _opt(2, "retries on another replica when one fails before the first byte")
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest accepted request body")
@@ -184,6 +219,31 @@ class Config:
         for url in self.replicas:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica URL must start with http:// or https://: {url!r}")
+        positive = (
+            "outlier_window_s",
+            "ejection_base_s",
+            "ejection_max_s",
+            "ejection_decay_s",
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "first_byte_timeout_floor_s",
+            "idle_timeout_s",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.eject_after_failures < 1 or self.outlier_min_requests < 1:
+            raise ConfigError("eject_after_failures and outlier_min_requests must be >= 1")
+        if not 0 < self.outlier_error_ratio < 1:
+            raise ConfigError(
+                f"outlier_error_ratio must be between 0 and 1, got {self.outlier_error_ratio}"
+            )
+        if not 0 <= self.max_ejected_percent <= 100:
+            raise ConfigError(f"max_ejected_percent must be 0..100, got {self.max_ejected_percent}")
+        if self.first_byte_timeout_factor < 1:
+            raise ConfigError(
+                f"first_byte_timeout_factor must be >= 1, got {self.first_byte_timeout_factor}"
+            )
         from router.schedule import POLICIES
 
         if self.policy not in POLICIES:

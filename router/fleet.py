@@ -1,7 +1,10 @@
 """The replicas: membership, health, load, and what they report about themselves.
 
-Health is active (``/health`` every ``health_interval_s``) and passive (``eject_after_failures``
-consecutive request failures eject a replica until ``/health`` answers again). Load is the
+Health is active (``/health`` every ``health_interval_s``) and passive (outlier detection,
+router/outlier.py): a replica whose requests fail -- ``eject_after_failures`` in a row, or more
+than a share of them in a sliding window -- is ejected for a time that grows with each recent
+ejection, and ``/health`` cannot readmit it before that time is up. A replica in rotation is
+``healthy``: its last ``/health`` answered and it is not ejected. Load is the
 gateway's own in-flight requests and not-yet-answered prompt tokens per replica, plus what
 other gateways publish (fleet mode), plus the replicas' scraped ``vllm:*`` gauges.
 """
@@ -12,12 +15,14 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from router.outlier import ErrorWindow, Latency, OutlierPolicy
 from router.schedule import Candidate
 from router.tasks import cancel_and_wait
 
@@ -82,6 +87,38 @@ class Replica:
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # its /v1/models entries
     models: dict[str, str | None] = field(default_factory=dict)  # id -> parent (LoRA) or None
     models_known: bool = False
+    # Outlier detection (times on the fleet's clock). ``healthy`` is health_ok and not ejected.
+    health_ok: bool = True  # the last /health answered 200
+    ejected_at: float | None = None
+    ejected_until: float | None = None
+    ejection_reason: str | None = None  # "consecutive_failures" or "error_ratio"
+    ejections: int = 0  # recent ejections: the next one lasts this + 1 times the base
+    clean_since: float = 0.0  # in rotation since (or since the last forgiven ejection)
+    spared_at: float | None = None  # last time the ejection cap kept it in (rate-limits a log)
+    window: ErrorWindow = field(default_factory=lambda: ErrorWindow(10.0))
+    latency: Latency = field(default_factory=Latency.new)
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until is not None
+
+    def outlier_state(self, now: float) -> dict[str, Any]:
+        """What explain / diagnostics show about this replica's passive health."""
+        outcomes, errors = self.window.counts(now)
+        return {
+            "in_rotation": self.healthy,
+            "health_ok": self.health_ok,
+            "ejected": self.ejected,
+            "ejection_reason": self.ejection_reason,
+            "ejected_for_s": (
+                round(max(0.0, self.ejected_until - now), 3)
+                if self.ejected_until is not None
+                else None
+            ),
+            "recent_ejections": self.ejections,
+            "window_outcomes": outcomes,
+            "window_errors": errors,
+        }
 
     def candidate(self, matched_blocks: int) -> Candidate:
         return Candidate(
@@ -107,20 +144,39 @@ class Fleet:
         health_interval_s: float = 2.0,
         metrics_interval_s: float = 1.0,
         eject_after_failures: int = 3,
+        outlier: OutlierPolicy | None = None,
+        first_byte_timeout_s: float | None = None,
+        first_byte_timeout_floor_s: float = 10.0,
+        first_byte_timeout_factor: float = 3.0,
         upstream_headers: dict[str, str] | None = None,
         on_event: ChangeHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.replicas: dict[str, Replica] = {}
         self.session = session
         self.health_interval_s = health_interval_s
         self.metrics_interval_s = metrics_interval_s
-        self.eject_after = eject_after_failures
+        self.policy = outlier or OutlierPolicy(consecutive_failures=eject_after_failures)
+        self.first_byte_ceiling_s = first_byte_timeout_s
+        self.first_byte_floor_s = first_byte_timeout_floor_s
+        self.first_byte_factor = first_byte_timeout_factor
+        self.latency = Latency.new()  # the whole fleet's: for replicas with no history yet
         self.headers = upstream_headers or {}
         self.on_event = on_event
+        self.clock = clock
         self._tasks: list[asyncio.Task[None]] = []
         self._ticks = 0
         for url in urls:
-            self.replicas[url.rstrip("/")] = Replica(url.rstrip("/"))
+            self.replicas[url.rstrip("/")] = self._new_replica(url.rstrip("/"))
+
+    def _new_replica(self, url: str, healthy: bool = True) -> Replica:
+        return Replica(
+            url,
+            healthy=healthy,
+            health_ok=healthy,
+            clean_since=self.clock(),
+            window=ErrorWindow(self.policy.window_s),
+        )
 
     # -- membership -------------------------------------------------------------------------
     async def set_urls(self, urls: Sequence[str]) -> None:
@@ -131,7 +187,7 @@ class Fleet:
                 replica = self.replicas.pop(url)
                 log.info("replica removed: %s", url)
                 await self._emit(replica, "removed")
-        new = [Replica(u, healthy=False) for u in sorted(wanted - set(self.replicas))]
+        new = [self._new_replica(u, healthy=False) for u in sorted(wanted - set(self.replicas))]
         for replica in new:
             self.replicas[replica.url] = replica
             log.info("replica added: %s", replica.url)
@@ -179,19 +235,118 @@ class Fleet:
 
     # -- passive health ---------------------------------------------------------------------
     async def record_failure(self, replica: Replica, why: str) -> None:
+        """No answer before the first byte: connect error, 502/503, timeout, closed."""
         replica.failures += 1
-        if replica.healthy and replica.failures >= self.eject_after:
-            replica.healthy = False
-            log.warning(
-                "replica %s ejected after %d consecutive failures (%s)",
-                replica.url,
-                replica.failures,
-                why,
-            )
-            await self._emit(replica, "ejected")
+        replica.window.add(self.clock(), True)
+        await self._judge(replica, why)
 
-    def record_success(self, replica: Replica) -> None:
+    async def record_response(
+        self,
+        replica: Replica,
+        status: int,
+        *,
+        stream: bool = False,
+        first_byte_s: float | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
+        """An answer reached the client: a 5xx is the replica's error, anything else a
+        success (a 4xx is the client's fault). Successes teach the first-byte estimate."""
+        error = status >= 500
+        replica.window.add(self.clock(), error)
+        if error:
+            replica.failures += 1
+            await self._judge(replica, f"HTTP {status}")
+            return
         replica.failures = 0
+        if status < 400 and first_byte_s is not None:
+            replica.latency.observe(stream, first_byte_s, completion_tokens)
+            self.latency.observe(stream, first_byte_s, completion_tokens)
+
+    async def _judge(self, replica: Replica, why: str) -> None:
+        if not replica.healthy:
+            return  # already out of rotation
+        outcomes, errors = replica.window.counts(self.clock())
+        if replica.failures >= self.policy.consecutive_failures:
+            reason, detail = "consecutive_failures", f"{replica.failures} failures in a row"
+        elif outcomes >= self.policy.min_requests and errors > self.policy.error_ratio * outcomes:
+            reason, detail = "error_ratio", f"{errors} errors in {outcomes} requests"
+        else:
+            return
+        now = self.clock()
+        if not self._may_eject(replica):
+            if replica.spared_at is None or now - replica.spared_at >= self.policy.window_s:
+                replica.spared_at = now
+                log.warning(
+                    "replica %s is failing (%s; last: %s) but stays in rotation: ejecting "
+                    "it would exceed max_ejected_percent or leave no replica",
+                    replica.url,
+                    detail,
+                    why,
+                )
+            return
+        replica.ejections += 1
+        duration = self.policy.ejection_s(replica.ejections)
+        replica.healthy = False
+        replica.ejected_at, replica.ejected_until = now, now + duration
+        replica.ejection_reason = reason
+        replica.failures = 0
+        replica.window.clear()
+        log.warning(
+            "replica %s ejected for %.1f s (%s; last: %s; ejection %d)",
+            replica.url,
+            duration,
+            detail,
+            why,
+            replica.ejections,
+        )
+        await self._emit(replica, "ejected")
+
+    def _may_eject(self, replica: Replica) -> bool:
+        """At most ``max_ejected_percent`` of the fleet ejected at once, and never the last
+        replica in rotation: a fleet that fails everywhere still answers (with the replicas'
+        own errors) instead of refusing everything."""
+        ejected = sum(1 for r in self.replicas.values() if r.ejected)
+        in_rotation = sum(1 for r in self.replicas.values() if r.healthy and r is not replica)
+        return in_rotation > 0 and ejected < self.policy.max_ejected(len(self.replicas))
+
+    async def expire_ejections(self) -> None:
+        """Readmit replicas whose ejection is over (if their /health answers), and forgive
+        one recent ejection of a replica that stayed in rotation ``decay_s``."""
+        now = self.clock()
+        for replica in list(self.replicas.values()):
+            if replica.ejected_until is not None and now >= replica.ejected_until:
+                replica.ejected_at = replica.ejected_until = None
+                replica.clean_since = now
+                if replica.health_ok:
+                    replica.healthy = True
+                    replica.failures = 0
+                    replica.window.clear()
+                    log.info("replica %s readmitted after its ejection", replica.url)
+                    await self._emit(replica, "healthy")
+            elif (
+                replica.healthy
+                and replica.ejections > 0
+                and now - replica.clean_since >= self.policy.decay_s
+            ):
+                replica.ejections -= 1
+                replica.clean_since = now
+                if replica.ejections == 0:
+                    replica.ejection_reason = None
+
+    def first_byte_timeout(
+        self, replica: Replica, stream: bool, max_tokens: int | None
+    ) -> float | None:
+        """How long to wait for this request's response headers: ``factor`` x what this
+        replica usually takes (what the fleet takes, while it has too little history),
+        clamped to [floor, ceiling]; the ceiling when nothing is known."""
+        ceiling = self.first_byte_ceiling_s
+        expected = replica.latency.expected(stream, max_tokens)
+        if expected is None:
+            expected = self.latency.expected(stream, max_tokens)
+        if expected is None:
+            return ceiling
+        derived = max(self.first_byte_floor_s, self.first_byte_factor * expected)
+        return derived if ceiling is None else min(ceiling, derived)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -210,7 +365,12 @@ class Fleet:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            await asyncio.gather(*(self._check_health(r) for r in list(self.replicas.values())))
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        """One round: every replica's /health, then the ejections that are over."""
+        await asyncio.gather(*(self._check_health(r) for r in list(self.replicas.values())))
+        await self.expire_ejections()
 
     async def _metrics_loop(self) -> None:
         while True:
@@ -237,8 +397,10 @@ class Fleet:
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
-        if ok and not replica.healthy:
+        replica.health_ok = ok
+        if ok and not replica.healthy and not replica.ejected:  # ejected: wait its time out
             replica.healthy, replica.failures = True, 0
+            replica.clean_since = self.clock()
             log.info("replica %s healthy", replica.url)
             await self._emit(replica, "healthy")
             await asyncio.gather(self._scrape(replica), self._fetch_models(replica))

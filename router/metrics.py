@@ -98,6 +98,13 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.ejections = Counter(
+            "prefix_router_replica_ejections",
+            "Replicas taken out of rotation by outlier detection, by reason "
+            "(consecutive_failures, error_ratio)",
+            ["replica", "reason"],
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "prefix_router_index_blocks",
             "Blocks the index models per replica",

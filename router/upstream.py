@@ -225,9 +225,12 @@ class UpstreamPool:
         body: bytes,
         headers: Mapping[str, str],
         on_sent: Callable[[], Awaitable[None]] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> Response:
         """Send the request; return once the response headers are in. Raises
         ``UpstreamError`` if no response started (always safe to retry elsewhere).
+        ``timeout`` bounds the wait for headers (default ``read_timeout``).
 
         ``on_sent`` runs once, while the replica works: right after the request is written
         to a pooled connection, or before a new connection's connect (so that nothing else
@@ -262,7 +265,7 @@ class UpstreamPool:
                 while not conn.headers_done:
                     if conn.error is not None:
                         raise conn.error
-                    await conn.wait(self.read_timeout)
+                    await conn.wait(self.read_timeout if timeout is None else timeout)
             except UpstreamError:
                 conn.abort()
                 if reused and not conn.got_bytes and conn.error and conn.error.why != "timeout":
