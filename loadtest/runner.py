@@ -165,6 +165,7 @@ async def _start_gateway(
     of ``replica_urls`` on a free loopback port; return its URL and an async stop function.
     ``overrides`` are further ``router.config.Config`` fields."""
     try:
+        from router.admin import SERVED_EXTENSIONS
         from router.app import start_gateway
         from router.config import load_config
     except ImportError as e:  # pragma: no cover - the gateway ships in this distribution
@@ -178,7 +179,7 @@ async def _start_gateway(
         tokenizer=str(bundled_tokenizer_dir()),
         **overrides,
     )
-    running = await start_gateway(config, port=0)
+    running = await start_gateway(config, port=0, extensions=SERVED_EXTENSIONS)
     return running.url, running.stop
 
 

@@ -18,7 +18,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,13 +103,9 @@ class Gateway:
         )
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
-        # Watchers of every finished request (live diagnostics): observe(rr, decision, outcome)
+        # Watchers of every finished request (live diagnostics, attached by the admin
+        # extension): observe(rr, decision, outcome)
         self.observers: list[Any] = []
-        if config.admin_key:
-            from router.diagnose import LiveDiagnostics
-
-            self.diagnostics = LiveDiagnostics(self)
-            self.observers.append(self.diagnostics)
         self.redis: Any = None  # fleet mode: the shared client, the sync task
         self.sync: Any = None
         self.discovery: Any = None  # DNS discovery of replicas, when configured
@@ -686,16 +682,6 @@ class Gateway:
                 await self.fleet.record_failure(replica, e.why)
         raise APIError(503, "no healthy replica is available", code="no_replica")
 
-    async def diagnostics_endpoint(self, request: web.Request) -> web.Response:
-        from router import diagnose
-
-        return await diagnose.handle(self, request)
-
-    async def explain(self, request: web.Request) -> web.Response:
-        from router import explain
-
-        return await explain.handle(self, request, request[REQUEST_ID])
-
     def _check_admin(self, request: web.Request) -> None:
         """The admin key, as ``X-Admin-Key`` or as a bearer token (what Prometheus'
         ``authorization`` scrape setting sends)."""
@@ -832,19 +818,6 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
-def offline_gateway(tokenizer: str, block_size: int, config_file: str | None) -> Gateway:
-    """A gateway with no replicas for the offline commands (explain, diagnose): the live
-    path's rendering, salt policy and hashing. Raises ``ConfigError``."""
-    import argparse
-
-    from router.config import load_config
-
-    config = load_config(
-        argparse.Namespace(config=config_file), tokenizer=tokenizer, block_size=block_size
-    )
-    return Gateway(config, load_renderer(tokenizer, None, config.max_prompt_chars))
-
-
 def _model_vocab_size(name: str) -> int:
     """Token ids a completions prompt may carry: the model's ``vocab_size`` from a
     ``config.json`` beside the tokenizer (it is larger than the tokenizer's own vocabulary,
@@ -933,8 +906,16 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     return resp
 
 
+# Adds routes or observers to the app a layer above this one (router/admin.py): the gateway
+# names none of them, so nothing here imports the ops modules.
+Extension = Callable[[web.Application, "Gateway"], None]
+
+
 def build_app(
-    config: Config, renderer: Renderer | None = None, index: PrefixIndex | None = None
+    config: Config,
+    renderer: Renderer | None = None,
+    index: PrefixIndex | None = None,
+    extensions: Sequence[Extension] = (),
 ) -> web.Application:
     gateway = Gateway(config, renderer, index)
     app = web.Application(
@@ -951,11 +932,11 @@ def build_app(
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_post("/tokenize", gateway.passthrough)
     app.router.add_post("/detokenize", gateway.passthrough)
-    app.router.add_post("/v1/route/explain", gateway.explain)
-    app.router.add_get("/admin/diagnostics", gateway.diagnostics_endpoint)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.prometheus)
+    for extend in extensions:
+        extend(app, gateway)
 
     metrics_runner: list[web.AppRunner] = []
 
@@ -1004,9 +985,10 @@ async def start_gateway(
     renderer: Renderer | None = None,
     index: PrefixIndex | None = None,
     port: int | None = None,
+    extensions: Sequence[Extension] = (),
 ) -> RunningGateway:
     """Start a gateway in this event loop (tests, demo, load tests). ``port=0`` picks one."""
-    app = build_app(config, renderer, index)
+    app = build_app(config, renderer, index, extensions)
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
     )

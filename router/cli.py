@@ -59,12 +59,13 @@ def _run_worker(config: Config) -> int:
     """One gateway process: its own event loop (uvloop when installed) and app."""
     from aiohttp import web
 
+    from router.admin import SERVED_EXTENSIONS
     from router.app import build_app
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     try:
-        app = build_app(config)
+        app = build_app(config, extensions=SERVED_EXTENSIONS)
     except ConfigError as e:
         print(f"prefix-router: {e}", file=sys.stderr)
         return 2

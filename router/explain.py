@@ -13,17 +13,17 @@ import hmac
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from router.app import Gateway
 from router.blocks import cacheable_blocks
+from router.config import ConfigError
 from router.errors import APIError, bad_request
+from router.offline import offline_gateway
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
-
-if TYPE_CHECKING:
-    from router.app import Gateway
 
 SHOWN_HASHES = 8
 
@@ -180,10 +180,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--all-hashes", action="store_true", help=f"every block hash, not the first {SHOWN_HASHES}"
     )
     a = p.parse_args(argv)
-
-    from router.app import offline_gateway
-    from router.config import ConfigError
-
     try:
         gateway = offline_gateway(a.tokenizer, a.block_size, a.config)
     except ConfigError as e:

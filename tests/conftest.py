@@ -56,6 +56,7 @@ async def fleet(reference_renderer: Renderer) -> AsyncIterator[Callable[..., Awa
 @pytest.fixture
 async def gateway(renderer: Renderer) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """``await gateway(replica_urls, **config)`` starts a gateway on a free loopback port."""
+    from router.admin import SERVED_EXTENSIONS
     from router.app import RunningGateway, start_gateway
     from router.config import load_config
 
@@ -65,7 +66,9 @@ async def gateway(renderer: Renderer) -> AsyncIterator[Callable[..., Awaitable[A
         overrides.setdefault("health_interval_s", 0.2)
         overrides.setdefault("metrics_interval_s", 0.2)
         config = load_config(None, env={}, replicas=urls, **overrides)
-        running = await start_gateway(config, renderer=renderer, port=0)
+        running = await start_gateway(
+            config, renderer=renderer, port=0, extensions=SERVED_EXTENSIONS
+        )
         started.append(running)
         return running
 

@@ -1,0 +1,30 @@
+"""The admin extension of the served app: ``POST /v1/route/explain`` and
+``GET /admin/diagnostics``, and, with an admin key, the diagnostics observer watching every
+request. The gateway layer (router/app.py) knows nothing of them: whoever builds the served
+app passes ``install_admin`` in ``build_app``'s / ``start_gateway``'s ``extensions``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router import diagnose, explain
+from router.app import REQUEST_ID, Gateway
+from router.diagnose.live import attach
+
+
+def install_admin(app: web.Application, gateway: Gateway) -> None:
+    if gateway.config.admin_key:
+        attach(gateway)  # from the first request on, not from the first report
+
+    async def explain_endpoint(request: web.Request) -> web.Response:
+        return await explain.handle(gateway, request, request[REQUEST_ID])
+
+    async def diagnostics_endpoint(request: web.Request) -> web.Response:
+        return await diagnose.handle(gateway, request)
+
+    app.router.add_post("/v1/route/explain", explain_endpoint)
+    app.router.add_get("/admin/diagnostics", diagnostics_endpoint)
+
+
+# What the served app (``prefix-router serve``, tests, load tests) installs on top of the core.
+SERVED_EXTENSIONS = (install_admin,)

@@ -1,0 +1,17 @@
+"""The gateway without replicas, for the offline commands (``prefix-router explain``,
+``prefix-router diagnose``): the live path's rendering, salt policy and hashing."""
+
+from __future__ import annotations
+
+import argparse
+
+from router.app import Gateway, load_renderer
+from router.config import load_config
+
+
+def offline_gateway(tokenizer: str, block_size: int, config_file: str | None) -> Gateway:
+    """A gateway with no replicas. Raises ``ConfigError``."""
+    config = load_config(
+        argparse.Namespace(config=config_file), tokenizer=tokenizer, block_size=block_size
+    )
+    return Gateway(config, load_renderer(tokenizer, None, config.max_prompt_chars))
