@@ -30,7 +30,13 @@ from router import blocks
 from router.config import Config
 from router.errors import APIError, bad_request
 from router.fleet import Fleet, Replica
-from router.forward import Outcome, UpstreamUnavailable, proxy, request_headers
+from router.forward import (
+    Outcome,
+    UpstreamUnavailable,
+    header_allow_list,
+    proxy,
+    request_headers,
+)
 from router.index import MemoryIndex, PrefixIndex
 from router.metrics import Metrics
 from router.prompt import NeedsThread, Renderer
@@ -77,6 +83,7 @@ class Gateway:
             connect_timeout=config.connect_timeout_s,
             read_timeout=max(config.first_byte_timeout_s, config.idle_timeout_s),
         )
+        self.forward_allow = header_allow_list(config.auth, config.forward_headers)
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
         # Watchers of every finished request (live diagnostics): observe(rr, decision, outcome)
@@ -370,6 +377,7 @@ class Gateway:
             request_id,
             self.config.upstream_api_key,
             forward_authorization=not self.config.auth,
+            allow=self.forward_allow,
         )
         self.metrics.tenant_requests.labels(rr.tenant).inc()
         self.metrics.prompt_tokens.labels(rr.tenant).inc(rr.num_tokens)
@@ -536,6 +544,7 @@ class Gateway:
             request[REQUEST_ID],
             self.config.upstream_api_key,
             not self.config.auth,
+            self.forward_allow,
         )
         tried: set[str] = set()
         for _ in range(self.config.max_retries + 1):

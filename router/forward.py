@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 
 from router.upstream import UpstreamError, UpstreamPool
 
+# Response headers the gateway never relays (it frames the answer to its client itself).
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -25,6 +26,7 @@ HOP_BY_HOP = frozenset(
         "proxy-authenticate",
         "proxy-authorization",
         "te",
+        "trailer",
         "trailers",
         "transfer-encoding",
         "upgrade",
@@ -32,6 +34,46 @@ HOP_BY_HOP = frozenset(
         "content-length",
         "date",
         "server",
+    }
+)
+# Request headers that are about the client's connection to the gateway, or that the gateway
+# owns, never the replica's business. Expect above all: the replica's interim 100 Continue
+# once desynchronised a pooled connection. Content-Encoding: the body is forwarded decoded
+# (router/body.py). Accept-Encoding: the gateway reads the answer (usage, cached tokens), so
+# the replica must answer uncompressed; vLLM does not compress anyway.
+REQUEST_CONTROL = frozenset(
+    {
+        "expect",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+        "content-type",  # set to application/json below
+        "accept-encoding",
+        "authorization",  # replaced or passed on explicitly below
+        "x-request-id",  # set below
+    }
+)
+# With auth on, only these client headers reach a replica (plus ``forward_headers``): the
+# request's media negotiation, tracing, and the API-version headers SDKs send. Never
+# X-Forwarded-For, a tenant header or anything else a tenant could use to pose as another.
+AUTH_ALLOWED = frozenset(
+    {
+        "accept",
+        "user-agent",
+        "traceparent",
+        "tracestate",
+        "baggage",
+        "openai-beta",
+        "openai-version",
+        "anthropic-version",
+        "anthropic-beta",
     }
 )
 RETRYABLE_STATUS = frozenset({502, 503})
@@ -55,16 +97,30 @@ class Outcome:
     complete: bool  # the whole upstream body reached the client
 
 
+def header_allow_list(auth: bool, forward_headers: Sequence[str]) -> frozenset[str] | None:
+    """Client headers a replica may see: ``None`` forwards all but the control headers (auth
+    off and no ``forward_headers``, the historical behaviour)."""
+    named = frozenset(h.strip().lower() for h in forward_headers if h.strip())
+    if not auth and not named:
+        return None
+    return (AUTH_ALLOWED | named) - REQUEST_CONTROL
+
+
 def request_headers(
     incoming: Mapping[str, str],
     request_id: str,
     upstream_api_key: str | None,
     forward_authorization: bool,
+    allow: frozenset[str] | None = None,
 ) -> CIMultiDict[str]:
+    # Headers the client's Connection header names are hop-by-hop as well (RFC 9110 7.6.1).
+    dropped = {t.strip().lower() for t in incoming.get("Connection", "").split(",")}
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in incoming.items():
         lk = k.lower()
-        if lk in HOP_BY_HOP or lk == "authorization" or lk.startswith("x-prefix-router-"):
+        if allow is not None and lk not in allow:
+            continue
+        if lk in REQUEST_CONTROL or lk in dropped or lk.startswith(("proxy-", "x-prefix-router-")):
             continue
         out.add(k, v)
     if upstream_api_key:

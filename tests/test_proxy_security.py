@@ -1,0 +1,307 @@
+"""The proxy path against hostile or quirky peers, over real sockets: interim 1xx answers
+never desynchronise a pooled connection (a cross-tenant leak), only allowed client headers
+reach a replica, request content codings and media types are checked, and a stream cut
+upstream reaches the client as an error, never as a clean end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.upstream import UpstreamError, UpstreamPool
+from tests.helpers import chat_body
+from tests.test_tenancy import bearer, keys_file
+
+Reply = Callable[[bytes, bytes, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class RawReplica:
+    """A raw HTTP/1.1 server: GET /health answers 200 (so a gateway routes to it), other
+    GETs 404; each POST goes to ``reply(head, body, writer)``. Records what it received."""
+
+    reply: Reply
+    connections: int = 0
+    requests: list[tuple[bytes, bytes]] = field(default_factory=list)
+    post_connections: set[int] = field(default_factory=set)  # which connections carried POSTs
+    url: str = ""
+
+    def posts_headers(self) -> list[dict[str, str]]:
+        return [parse_head(head) for head, _ in self.requests]
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(parse_head(head).get("content-length", "0"))
+                body = await reader.readexactly(length)
+                if head.startswith(b"GET "):
+                    status = b"200 OK" if head.startswith(b"GET /health ") else b"404 Not Found"
+                    writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
+                else:
+                    self.requests.append((head, body))
+                    self.post_connections.add(number)
+                    await self.reply(head, body, writer)
+                await writer.drain()
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def parse_head(head: bytes) -> dict[str, str]:
+    out = {}
+    for line in head.split(b"\r\n")[1:]:
+        if b":" in line:
+            k, v = line.split(b":", 1)
+            out[k.decode().strip().lower()] = v.decode("utf-8", "replace").strip()
+    return out
+
+
+def json_answer(obj: Any, status: bytes = b"200 OK") -> bytes:
+    data = json.dumps(obj).encode()
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(data)).encode()
+        + b"\r\n\r\n"
+        + data
+    )
+
+
+@pytest.fixture
+async def raw_replica() -> AsyncIterator[Callable[[Reply], Awaitable[RawReplica]]]:
+    servers: list[asyncio.base_events.Server] = []
+
+    async def start(reply: Reply) -> RawReplica:
+        raw = RawReplica(reply)
+        server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
+        servers.append(server)
+        raw.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        return raw
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def user_text(body: bytes) -> str:
+    return str(json.loads(body)["messages"][-1]["content"])
+
+
+async def continue_then_echo(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+    """Always an interim 100 Continue first (asked for or not), the real answer later: it
+    names the request it answers (the user's text and the salt it carried)."""
+    w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    await w.drain()
+    await asyncio.sleep(0.05)  # the interim answer and the final one arrive apart
+    req = json.loads(body)
+    w.write(json_answer({"echo": user_text(body), "salt": req.get("cache_salt")}))
+
+
+# -- the upstream client ------------------------------------------------------------------
+
+
+async def test_pool_skips_interim_answers_and_reuses_the_connection(raw_replica):
+    async def early_hints_too(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        w.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.02)
+        w.write(json_answer({"n": json.loads(body)["n"]}))
+
+    server = await raw_replica(early_hints_too)
+    pool = UpstreamPool(connect_timeout=5, read_timeout=5)
+    for n in range(4):
+        resp = await pool.post(server.url + "/x", json.dumps({"n": n}).encode(), {})
+        assert resp.status == 200
+        assert resp.header("link") == ""  # the interim answer's headers are not the response's
+        assert json.loads(await resp.read()) == {"n": n}
+    assert len(server.post_connections) == 1
+    pool.close()
+
+
+async def test_pool_rejects_101_and_endless_interim_answers(raw_replica):
+    async def switching(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
+
+    async def endless(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 50)
+
+    pool = UpstreamPool(connect_timeout=5, read_timeout=5)
+    for reply in (switching, endless):
+        server = await raw_replica(reply)
+        with pytest.raises(UpstreamError, match="bad response"):
+            await pool.post(server.url + "/", b"{}", {})
+    assert not any(pool._idle.values())
+    pool.close()
+
+
+async def test_a_response_not_read_to_its_end_never_goes_back_to_the_pool(raw_replica):
+    async def big_then_small(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        if body == b"big":
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"a" * 1000)
+            await w.drain()
+            await asyncio.sleep(0.05)
+            w.write(b"a" * 99000)
+        else:
+            w.write(json_answer({"small": True}))
+
+    server = await raw_replica(big_then_small)
+    pool = UpstreamPool(connect_timeout=5, read_timeout=5)
+    resp = await pool.post(server.url + "/", b"big", {})
+    first = await resp.iter_chunks().__anext__()
+    assert first.startswith(b"a")
+    resp.release()  # the rest of the body is still on its way: this must drop the socket
+    resp = await pool.post(server.url + "/", b"small", {})
+    assert json.loads(await resp.read()) == {"small": True}
+    assert len(server.post_connections) == 2
+    pool.close()
+
+
+# -- through the gateway -----------------------------------------------------------------
+
+
+async def tenant_gateway(tmp_path: Path, gateway: Any, url: str, **overrides: Any) -> Any:
+    path = keys_file(tmp_path / "keys.yaml", tenants=["acme", "globex"])
+    return await gateway([url], auth=True, api_keys_file=str(path), **overrides)
+
+
+async def test_expect_continue_never_hands_one_tenants_answer_to_another(
+    tmp_path, raw_replica, gateway
+):
+    server = await raw_replica(continue_then_echo)
+    gw = await tenant_gateway(tmp_path, gateway, server.url)
+    url = gw.url + "/v1/chat/completions"
+
+    async def ask(s: aiohttp.ClientSession, tenant: str, i: int) -> tuple[str, int, Any]:
+        text = f"{tenant} question {i}"
+        async with s.post(
+            url, data=json.dumps(chat_body(text)), headers=bearer(tenant), expect100=True
+        ) as resp:
+            return text, resp.status, await resp.json()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        sequential = [await ask(s, t, i) for i in range(3) for t in ("acme", "globex")]
+        pooled_connections = len(server.post_connections)
+        concurrent = await asyncio.gather(
+            *(ask(s, t, i) for i in range(3, 9) for t in ("acme", "globex"))
+        )
+    salts = {}
+    for text, status, body in sequential + concurrent:
+        assert status == 200, body
+        assert body["echo"] == text  # its own answer, never the request before it
+        salts.setdefault(text.split()[0], set()).add(body["salt"])
+    # Each tenant's answers carry only its own salt; the two never meet.
+    assert len(salts["acme"]) == len(salts["globex"]) == 1
+    assert salts["acme"] != salts["globex"]
+    assert pooled_connections == 1  # the sequential ones really shared one pooled socket
+    assert all("expect" not in h for h in server.posts_headers())
+
+
+async def answer_ok(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+    w.write(json_answer({"ok": True}))
+
+
+CLIENT_HEADERS = {
+    "Accept": "application/json",
+    "User-Agent": "OpenAI/Python 1.0",
+    "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "tracestate": "vendor=1",
+    "baggage": "k=v",
+    "OpenAI-Beta": "assistants=v2",
+    "anthropic-version": "2023-06-01",
+    "anthropic-beta": "tools-2024",
+    "X-Request-Id": "client-rid-1",
+    "X-Tenant": "globex",
+    "X-Forwarded-For": "10.0.0.1",
+    "X-Custom": "custom",
+    "X-Hop": "named by Connection",
+    "Connection": "keep-alive, X-Hop",
+    "Keep-Alive": "timeout=5",
+    "TE": "trailers",
+    "Trailer": "X-Checksum",
+    "Upgrade": "h2c",
+    "Proxy-Authorization": "Basic c2VjcmV0",
+    "Proxy-Connection": "keep-alive",
+    "Accept-Encoding": "gzip, br",
+}
+ALLOWED = {
+    "accept",
+    "user-agent",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "openai-beta",
+    "anthropic-version",
+    "anthropic-beta",
+}
+NEVER = {
+    "expect",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-connection",
+    "x-hop",
+    "accept-encoding",
+    "content-encoding",
+}
+# What the gateway itself sets on every forwarded request.
+OWN = {"host", "content-length", "content-type", "x-request-id"}
+
+
+async def forwarded(gw: Any, server: RawReplica, extra: dict[str, str] | None = None) -> Any:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s,
+        s.post(
+            gw.url + "/v1/chat/completions",
+            data=json.dumps(chat_body("which headers?")),
+            headers={**CLIENT_HEADERS, "Content-Type": "application/json", **(extra or {})},
+            expect100=True,
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+    return server.posts_headers()[-1]
+
+
+@pytest.mark.parametrize(
+    "auth,forward_headers,passes",
+    [
+        (True, [], ALLOWED),
+        (True, ["X-Custom", "Connection", "Accept-Encoding"], ALLOWED | {"x-custom"}),
+        (False, [], ALLOWED | {"x-tenant", "x-forwarded-for", "x-custom"}),
+        (False, ["x-custom"], ALLOWED | {"x-custom"}),
+    ],
+)
+async def test_only_allowed_client_headers_reach_the_replica(
+    tmp_path, raw_replica, gateway, auth, forward_headers, passes
+):
+    server = await raw_replica(answer_ok)
+    if auth:
+        gw = await tenant_gateway(tmp_path, gateway, server.url, forward_headers=forward_headers)
+        got = await forwarded(gw, server, bearer("acme"))
+    else:
+        gw = await gateway([server.url], forward_headers=forward_headers)
+        got = await forwarded(gw, server)
+    assert set(got) == passes | OWN, set(got) ^ (passes | OWN)
+    assert not NEVER & set(got)
+    for name in passes:
+        assert got[name] == next(v for k, v in CLIENT_HEADERS.items() if k.lower() == name)
+    assert got["x-request-id"] == "client-rid-1"  # the gateway's id (it kept the client's)
+    assert got["content-type"] == "application/json"
+    assert "authorization" not in got  # a tenant's gateway key never reaches a replica
