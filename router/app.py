@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import blocks
+from router.body import read_body
 from router.config import Config
 from router.errors import APIError, bad_request
 from router.fleet import Fleet, Replica
@@ -368,7 +369,8 @@ class Gateway:
 
     async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         request_id = request[REQUEST_ID]
-        rr = await self.prepare(await request.read(), request.headers, endpoint, request_id)
+        raw_body = await read_body(request, self.config.max_body_bytes)
+        rr = await self.prepare(raw_body, request.headers, endpoint, request_id)
         assert self.fleet is not None
         raw = rr.extras.get("raw")
         body = raw if raw is not None else json.dumps(rr.body).encode()
@@ -537,7 +539,7 @@ class Gateway:
         """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
         self.tenancy.identify(request.headers)
         assert self.fleet is not None
-        raw = await request.read()
+        raw = await read_body(request, self.config.max_body_bytes)
         parse_json_object(raw)
         headers = request_headers(
             request.headers,
@@ -802,7 +804,11 @@ async def start_gateway(
     """Start a gateway in this event loop (tests, demo, load tests). ``port=0`` picks one."""
     app = build_app(config, renderer, index)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.shutdown_grace_s,
+        auto_decompress=False,  # router/body.py decodes request bodies, bounded
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port if port is None else port)

@@ -6,7 +6,10 @@ upstream reaches the client as an error, never as a clean end."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import tracemalloc
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,7 +192,7 @@ async def test_expect_continue_never_hands_one_tenants_answer_to_another(
     async def ask(s: aiohttp.ClientSession, tenant: str, i: int) -> tuple[str, int, Any]:
         text = f"{tenant} question {i}"
         async with s.post(
-            url, data=json.dumps(chat_body(text)), headers=bearer(tenant), expect100=True
+            url, json=chat_body(text), headers=bearer(tenant), expect100=True
         ) as resp:
             return text, resp.status, await resp.json()
 
@@ -305,3 +308,152 @@ async def test_only_allowed_client_headers_reach_the_replica(
     assert got["x-request-id"] == "client-rid-1"  # the gateway's id (it kept the client's)
     assert got["content-type"] == "application/json"
     assert "authorization" not in got  # a tenant's gateway key never reaches a replica
+
+
+# -- request content codings and media types ----------------------------------------------
+
+
+async def send_raw(
+    url: str, data: bytes, headers: dict[str, str], skip: tuple[str, ...] = ()
+) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s,
+        s.post(url, data=data, headers=headers, skip_auto_headers=skip) as resp,
+    ):
+        raw = await resp.read()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw
+
+
+def assert_openai_error(body: Any, status: int, got: int) -> dict[str, Any]:
+    assert got == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return dict(body["error"])
+
+
+def raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+async def test_compressed_bodies_are_forwarded_decoded_and_unlabelled(raw_replica, gateway):
+    server = await raw_replica(answer_ok)
+    gw = await gateway([server.url])
+    url = gw.url + "/v1/chat/completions"
+    plain = json.dumps(chat_body("compressed")).encode()
+    half = len(plain) // 2
+    cases = {
+        "gzip": gzip.compress(plain),
+        "x-gzip": gzip.compress(plain),
+        "GZIP": gzip.compress(plain[:half]) + gzip.compress(plain[half:]),  # two members
+        "deflate": zlib.compress(plain),
+        "identity": plain,
+    }
+    for coding, data in cases.items():
+        status, body = await send_raw(
+            url, data, {"Content-Type": "application/json", "Content-Encoding": coding}
+        )
+        assert status == 200, (coding, body)
+        head, forwarded_body = server.requests[-1]
+        assert forwarded_body == plain, coding
+        assert "content-encoding" not in parse_head(head), coding
+    # Raw deflate (no zlib wrapper), as some clients send it, reaches a real replica too.
+    status, body = await send_raw(
+        url,
+        raw_deflate(plain),
+        {"Content-Type": "application/json", "Content-Encoding": "deflate"},
+    )
+    assert status == 200 and server.requests[-1][1] == plain
+
+
+async def test_compressed_body_reaches_a_simulated_vllm_replica(fleet, gateway):
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url])
+    data = gzip.compress(json.dumps(chat_body("gzip to vllm")).encode())
+    status, body = await send_raw(
+        gw.url + "/v1/chat/completions",
+        data,
+        {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
+    assert status == 200, body  # the replica got plain JSON without a gzip label
+    assert body["choices"][0]["message"]["content"]
+
+
+async def test_bad_content_codings_get_openai_4xx(raw_replica, gateway):
+    server = await raw_replica(answer_ok)
+    gw = await gateway([server.url])
+    url = gw.url + "/v1/chat/completions"
+    plain = json.dumps(chat_body("x")).encode()
+    bad = {
+        "gzip": plain,  # labelled gzip, sent plain
+        "deflate": b"\x78\x9c" + b"not deflate at all",
+    }
+    for coding, data in {**bad, "x-gzip": gzip.compress(plain)[:-12]}.items():  # truncated
+        status, body = await send_raw(
+            url, data, {"Content-Type": "application/json", "Content-Encoding": coding}
+        )
+        err = assert_openai_error(body, 400, status)
+        assert err["message"] == f"request body is not valid {coding}", err
+    for coding in ("br", "compress", "gzip, gzip", "zstd"):
+        status, body = await send_raw(
+            url, plain, {"Content-Type": "application/json", "Content-Encoding": coding}
+        )
+        err = assert_openai_error(body, 415, status)
+        assert err["code"] == "unsupported_content_encoding" and "gzip" in err["message"]
+    assert server.requests == []  # none of them reached the replica
+    status, _ = await send_raw(url, plain, {"Content-Type": "application/json"})
+    assert status == 200  # and the gateway still serves
+
+
+async def test_a_gzip_bomb_is_refused_without_inflating_it(raw_replica, gateway):
+    server = await raw_replica(answer_ok)
+    limit = 1_000_000
+    gw = await gateway([server.url], max_body_bytes=limit)
+    inflated = 200 * limit  # 200 MB of zeros in about 200 kB
+    c = zlib.compressobj(9, wbits=16 + zlib.MAX_WBITS)
+    zeros = bytes(limit)
+    bomb = b"".join(c.compress(zeros) for _ in range(inflated // limit)) + c.flush()
+    assert len(bomb) < limit  # the compressed body itself is within the limit
+    tracemalloc.start()
+    try:
+        status, body = await send_raw(
+            gw.url + "/v1/chat/completions",
+            bomb,
+            {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    err = assert_openai_error(body, 413, status)
+    assert "decompressed" in err["message"]
+    assert peak < 20 * limit, peak  # a bounded inflate, nowhere near the 200 MB
+    assert server.requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+async def test_content_type_missing_is_json_and_other_types_are_415(raw_replica, gateway, path):
+    server = await raw_replica(answer_ok)
+    gw = await gateway([server.url])
+    url = gw.url + path
+    body = chat_body("x") if path == "/v1/chat/completions" else {"prompt": "x", "max_tokens": 1}
+    data = json.dumps(body).encode()
+    status, got = await send_raw(url, data, {}, skip=("Content-Type",))
+    assert status == 200, got
+    assert parse_head(server.requests[-1][0])["content-type"] == "application/json"
+    for ok in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"):
+        status, got = await send_raw(url, data, {"Content-Type": ok})
+        assert status == 200, (ok, got)
+    forwarded_before = len(server.requests)
+    for wrong in (
+        "text/plain",
+        "multipart/form-data; boundary=x",
+        "application/x-www-form-urlencoded",
+        "application/octet-stream",
+    ):
+        status, got = await send_raw(url, data, {"Content-Type": wrong})
+        err = assert_openai_error(got, 415, status)
+        assert "application/json" in err["message"] and wrong.split(";")[0] in err["message"]
+        assert err["code"] == "unsupported_media_type"
+    assert len(server.requests) == forwarded_before
