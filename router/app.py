@@ -32,6 +32,7 @@ from router.config import Config
 from router.errors import APIError, bad_request
 from router.fleet import Fleet, Replica
 from router.forward import (
+    STREAM_ERROR_SHAPES,
     Outcome,
     UpstreamUnavailable,
     header_allow_list,
@@ -473,6 +474,7 @@ class Gateway:
                 extra,
                 on_first_byte=first_byte,
                 on_sent=lambda: self._record_placement(rr, decision),
+                stream_error=STREAM_ERROR_SHAPES[rr.endpoint],
             )
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()

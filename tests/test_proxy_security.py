@@ -457,3 +457,78 @@ async def test_content_type_missing_is_json_and_other_types_are_415(raw_replica,
         assert "application/json" in err["message"] and wrong.split(";")[0] in err["message"]
         assert err["code"] == "unsupported_media_type"
     assert len(server.requests) == forwarded_before
+
+
+# -- a stream cut upstream ------------------------------------------------------------------
+
+CUT_EVENT = {
+    "error": {
+        "message": "upstream replica closed the stream before it finished",
+        "type": "server_error",
+        "code": "upstream_stream_cut",
+    }
+}
+
+
+async def read_cut_stream(url: str, body: dict[str, Any], on_first: Any = None) -> list[bytes]:
+    """The ``data:`` payloads received; asserts the body ended truncated, not cleanly."""
+    events: list[bytes] = []
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s,
+        s.post(url, json=body) as resp,
+    ):
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+                    if on_first is not None and len(events) == 1:
+                        await on_first()
+    return events
+
+
+async def test_a_stream_cut_upstream_ends_with_an_error_event_and_a_truncated_body(fleet, gateway):
+    replicas = await fleet(1, decode_tokens_per_s=20)
+    gw = await gateway([replicas[0].url], eject_after_failures=100)
+    body = chat_body("a long story", stream=True, max_tokens=200)
+    events = await read_cut_stream(gw.url + "/v1/chat/completions", body, replicas[0].stop)
+    assert len(events) >= 2
+    assert json.loads(events[0])["choices"]  # a real chunk came first
+    assert json.loads(events[-1]) == CUT_EVENT
+    assert b"[DONE]" not in events
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'outcome="broken"' in text  # the outcome stays incomplete
+
+
+async def test_a_stream_cut_mid_event_still_gets_a_separate_error_event(raw_replica, gateway):
+    async def half_an_event(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        w.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for part in (b'data: {"choices": [{"index": 0}]}\n\n', b'data: {"choi'):
+            w.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            await w.drain()
+            await asyncio.sleep(0.02)
+        w.transport.abort()
+
+    server = await raw_replica(half_an_event)
+    gw = await gateway([server.url], eject_after_failures=100)
+    events = await read_cut_stream(gw.url + "/v1/chat/completions", chat_body("x", stream=True))
+    assert events[0] == b'{"choices": [{"index": 0}]}'
+    assert events[1] == b'{"choi'  # what the replica sent is relayed as it was
+    assert json.loads(events[-1]) == CUT_EVENT  # and the error is an event of its own
+
+
+def test_stream_error_shapes():
+    from router.forward import stream_error_event
+
+    anthropic = stream_error_event("anthropic", "gone")
+    assert anthropic.startswith(b"event: error\ndata: ") and anthropic.endswith(b"\n\n")
+    assert json.loads(anthropic.split(b"data: ", 1)[1]) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "gone"},
+    }
+    openai = stream_error_event("openai")
+    assert json.loads(openai.removeprefix(b"data: ")) == CUT_EVENT
