@@ -30,10 +30,18 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import blocks
+from router.body import read_body as read_request_body
 from router.config import Config
 from router.errors import APIError, bad_request
 from router.fleet import Fleet, Replica
-from router.forward import Outcome, UpstreamUnavailable, proxy, request_headers
+from router.forward import (
+    STREAM_ERROR_SHAPES,
+    Outcome,
+    UpstreamUnavailable,
+    header_allow_list,
+    proxy,
+    request_headers,
+)
 from router.index import MemoryIndex, PrefixIndex
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
@@ -101,6 +109,7 @@ class Gateway:
             connect_timeout=config.connect_timeout_s,
             read_timeout=max(config.first_byte_timeout_s, config.idle_timeout_s),
         )
+        self.forward_allow = header_allow_list(config.auth, config.forward_headers)
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
         # Watchers of every finished request (live diagnostics, attached by the admin
@@ -446,7 +455,7 @@ class Gateway:
         self._receiving_bytes += reserve
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
-                return await request.read()
+                return await read_request_body(request, limit)
         except TimeoutError:
             self.metrics.rejected.labels("body_timeout").inc()
             raise APIError(
@@ -483,6 +492,7 @@ class Gateway:
             request_id,
             self.config.upstream_api_key,
             forward_authorization=not self.config.auth,
+            allow=self.forward_allow,
         )
         self.metrics.tenant_requests.labels(rr.tenant).inc()
         self.metrics.prompt_tokens.labels(rr.tenant).inc(rr.num_tokens)
@@ -587,6 +597,7 @@ class Gateway:
                 extra,
                 on_first_byte=first_byte,
                 on_sent=lambda: self._record_placement(rr, decision),
+                stream_error=STREAM_ERROR_SHAPES[rr.endpoint],
             )
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -660,6 +671,7 @@ class Gateway:
             request[REQUEST_ID],
             self.config.upstream_api_key,
             not self.config.auth,
+            self.forward_allow,
         )
         tried: set[str] = set()
         for _ in range(self.config.max_retries + 1):
@@ -990,7 +1002,11 @@ async def start_gateway(
     """Start a gateway in this event loop (tests, demo, load tests). ``port=0`` picks one."""
     app = build_app(config, renderer, index, extensions)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.shutdown_grace_s,
+        auto_decompress=False,  # router/body.py decodes request bodies, bounded
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port if port is None else port)

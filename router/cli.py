@@ -77,6 +77,7 @@ def _run_worker(config: Config) -> int:
         print=None,
         access_log=None,
         handler_cancellation=True,
+        auto_decompress=False,  # router/body.py decodes request bodies, bounded
         shutdown_timeout=config.shutdown_grace_s,
         reuse_port=config.workers > 1,
     )

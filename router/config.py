@@ -140,6 +140,12 @@ class Config:
     decision_headers: bool = _opt(
         True, "add x-prefix-router-replica and x-prefix-router-cached-blocks to responses"
     )
+    forward_headers: list[str] = _opt(
+        [],
+        "client headers forwarded to replicas besides the built-in allow-list (Accept, "
+        "User-Agent, traceparent/tracestate/baggage, OpenAI-Beta, anthropic-version...); "
+        "empty with auth off forwards every header but hop-by-hop ones",
+    )
     upstream_api_key: str | None = _opt(
         None, "bearer token sent to the replicas (vLLM --api-key)", secret=True
     )

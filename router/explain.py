@@ -19,6 +19,7 @@ from aiohttp import web
 
 from router.app import Gateway
 from router.blocks import cacheable_blocks
+from router.body import read_body
 from router.config import ConfigError
 from router.errors import APIError, bad_request
 from router.offline import offline_gateway
@@ -113,7 +114,7 @@ def check_admin(request: web.Request, admin_key: str | None, *, required: bool) 
 
 async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web.Response:
     check_admin(request, gateway.config.admin_key, required=False)
-    raw = await request.read()
+    raw = await read_body(request, gateway.config.max_body_bytes)  # as the live path reads it
     try:
         peek = json.loads(raw) if raw.strip() else None
     except ValueError:

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +19,7 @@ from multidict import CIMultiDict
 
 from router.upstream import UpstreamError, UpstreamPool
 
+# Response headers the gateway never relays (it frames the answer to its client itself).
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -25,6 +27,7 @@ HOP_BY_HOP = frozenset(
         "proxy-authenticate",
         "proxy-authorization",
         "te",
+        "trailer",
         "trailers",
         "transfer-encoding",
         "upgrade",
@@ -32,6 +35,46 @@ HOP_BY_HOP = frozenset(
         "content-length",
         "date",
         "server",
+    }
+)
+# Request headers that are about the client's connection to the gateway, or that the gateway
+# owns, never the replica's business. Expect above all: the replica's interim 100 Continue
+# once desynchronised a pooled connection. Content-Encoding: the body is forwarded decoded
+# (router/body.py). Accept-Encoding: the gateway reads the answer (usage, cached tokens), so
+# the replica must answer uncompressed; vLLM does not compress anyway.
+REQUEST_CONTROL = frozenset(
+    {
+        "expect",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+        "content-type",  # set to application/json below
+        "accept-encoding",
+        "authorization",  # replaced or passed on explicitly below
+        "x-request-id",  # set below
+    }
+)
+# With auth on, only these client headers reach a replica (plus ``forward_headers``): the
+# request's media negotiation, tracing, and the API-version headers SDKs send. Never
+# X-Forwarded-For, a tenant header or anything else a tenant could use to pose as another.
+AUTH_ALLOWED = frozenset(
+    {
+        "accept",
+        "user-agent",
+        "traceparent",
+        "tracestate",
+        "baggage",
+        "openai-beta",
+        "openai-version",
+        "anthropic-version",
+        "anthropic-beta",
     }
 )
 RETRYABLE_STATUS = frozenset({502, 503})
@@ -55,16 +98,30 @@ class Outcome:
     complete: bool  # the whole upstream body reached the client
 
 
+def header_allow_list(auth: bool, forward_headers: Sequence[str]) -> frozenset[str] | None:
+    """Client headers a replica may see: ``None`` forwards all but the control headers (auth
+    off and no ``forward_headers``, the historical behaviour)."""
+    named = frozenset(h.strip().lower() for h in forward_headers if h.strip())
+    if not auth and not named:
+        return None
+    return (AUTH_ALLOWED | named) - REQUEST_CONTROL
+
+
 def request_headers(
     incoming: Mapping[str, str],
     request_id: str,
     upstream_api_key: str | None,
     forward_authorization: bool,
+    allow: frozenset[str] | None = None,
 ) -> CIMultiDict[str]:
+    # Headers the client's Connection header names are hop-by-hop as well (RFC 9110 7.6.1).
+    dropped = {t.strip().lower() for t in incoming.get("Connection", "").split(",")}
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in incoming.items():
         lk = k.lower()
-        if lk in HOP_BY_HOP or lk == "authorization" or lk.startswith("x-prefix-router-"):
+        if allow is not None and lk not in allow:
+            continue
+        if lk in REQUEST_CONTROL or lk in dropped or lk.startswith(("proxy-", "x-prefix-router-")):
             continue
         out.add(k, v)
     if upstream_api_key:
@@ -116,6 +173,35 @@ def usage_of(body: bytes) -> tuple[int | None, int | None]:
     return None, None
 
 
+StreamErrorShape = Literal["openai", "anthropic"]
+STREAM_CUT_MESSAGE = "upstream replica closed the stream before it finished"
+# The API each endpoint speaks, for errors told mid-stream (an Anthropic-style /v1/messages
+# would map to "anthropic").
+STREAM_ERROR_SHAPES: dict[str, StreamErrorShape] = {"chat": "openai", "completions": "openai"}
+
+
+def stream_error_event(shape: StreamErrorShape, message: str = STREAM_CUT_MESSAGE) -> bytes:
+    """One SSE error event as the endpoint's API sends it mid-stream."""
+    if shape == "anthropic":
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    err = {"message": message, "type": "server_error", "code": "upstream_stream_cut"}
+    return b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+
+
+async def _end_cut_stream(
+    request: web.Request, stream: web.StreamResponse, tail: bytes, shape: StreamErrorShape
+) -> None:
+    """Say in-band that the stream broke, then drop the client's connection before the
+    chunked terminator: a clean end would pass a truncated answer off as complete."""
+    # Finish a half-written event first, so the error event parses as one of its own.
+    sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n" if tail.endswith(b"\n") else b"\n\n"
+    await stream.write(sep + stream_error_event(shape))
+    # Closing (not aborting) flushes the event; aiohttp's own end of the response then
+    # finds the transport gone and writes no terminator.
+    request.protocol.force_close()
+
+
 async def proxy(
     pool: UpstreamPool,
     request: web.Request,
@@ -125,12 +211,14 @@ async def proxy(
     extra_headers: Mapping[str, str],
     on_first_byte: Callable[[], None] | None = None,
     on_sent: Callable[[], Awaitable[None]] | None = None,
+    stream_error: StreamErrorShape = "openai",
 ) -> tuple[web.StreamResponse, Outcome]:
     """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
 
     ``on_sent`` runs while the replica works (``UpstreamPool.post``); ``on_first_byte`` when
     its first body bytes arrive (for a stream, the end of its prefill). Raises
-    ``UpstreamUnavailable`` only before anything reached the client."""
+    ``UpstreamUnavailable`` only before anything reached the client. A stream the replica
+    cuts ends with one error event in ``stream_error``'s shape and a truncated body."""
     start = time.perf_counter()
     try:
         upstream = await pool.post(url, body, headers, on_sent)
@@ -168,13 +256,22 @@ async def proxy(
         try:
             if first_chunk:
                 await stream.write(first_chunk)
-            async for chunk in chunks:
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    complete = True
+                    break
+                except UpstreamError:
+                    break
                 await stream.write(chunk)
                 tail = (tail + chunk)[-16384:]
-            complete = True
-            await stream.write_eof()
-        except (UpstreamError, aiohttp.ClientError, ConnectionResetError, OSError):
-            pass  # upstream broke or the client left: nothing more can be said in-band
+            if complete:
+                await stream.write_eof()
+            else:
+                await _end_cut_stream(request, stream, tail, stream_error)
+        except (aiohttp.ClientError, ConnectionResetError, OSError):
+            pass  # the client left: nobody to tell
         if not complete:
             upstream.close()  # drop the connection so the engine aborts the request
         cached, completion = usage_of(tail) if upstream.status == 200 else (None, None)

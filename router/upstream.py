@@ -22,6 +22,7 @@ import httptools
 # from a slow client reaches the replica instead of filling our memory).
 READ_AHEAD_BYTES = 1 << 20
 MAX_IDLE_PER_ORIGIN = 256
+MAX_INTERIM_RESPONSES = 16  # 1xx answers skipped before one request's final response
 
 
 class UpstreamError(Exception):
@@ -53,6 +54,8 @@ class _Connection(asyncio.Protocol):
         self.message_done = False
         self.keep_alive = False
         self.stray = False
+        self.interim = False  # parsing a 1xx answer: not the response, skip it
+        self.interim_seen = 0
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
@@ -65,7 +68,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             self._fail(UpstreamError(f"bad response: {e}"))
             self.abort()
 
@@ -90,7 +93,20 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.stray:
             return
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # 100 Continue, 103 Early Hints: interim, the final answer follows on this
+            # connection. Taking one as the answer left the real one for the next request.
+            # 101 would switch protocols, which a proxied POST never asked for.
+            self.interim_seen += 1
+            if status == 101 or self.interim_seen > MAX_INTERIM_RESPONSES:
+                self._fail(UpstreamError(f"bad response: unexpected HTTP {status}"))
+                self.abort()
+                return
+            self.interim = True
+            self.headers.clear()
+            return
+        self.status = status
         self.headers_done = True
         self._wake()
 
@@ -106,6 +122,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.stray:
+            return
+        if self.interim:  # llhttp ends a 1xx as a message of its own; the response is next
+            self.interim = False
             return
         self.message_done = True
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
