@@ -1,5 +1,8 @@
-"""Filters: who may not take a request. Each module registers one by name."""
+"""Filters: who may not take a request. Every module here registers one plugin by name
+when imported, and importing the package imports them all: adding one is adding a file."""
 
-from router.schedule.filters import load_bound, recent_share
+import importlib
+import pkgutil
 
-__all__ = ["load_bound", "recent_share"]
+for _m in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_m.name}")

@@ -1,5 +1,8 @@
-"""Pickers: the one replica among the eligible. Each module registers one by name."""
+"""Pickers: the one replica among the eligible. Every module here registers one plugin by name
+when imported, and importing the package imports them all: adding one is adding a file."""
 
-from router.schedule.pickers import random_min, random_pick, ring_min_cost, ring_owner, round_robin
+import importlib
+import pkgutil
 
-__all__ = ["random_min", "random_pick", "ring_min_cost", "ring_owner", "round_robin"]
+for _m in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_m.name}")

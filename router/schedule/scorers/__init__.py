@@ -1,5 +1,8 @@
-"""Scorers: weighted cost terms, lower is better. Each module registers one by name."""
+"""Scorers: weighted cost terms, lower is better. Every module here registers one plugin by name
+when imported, and importing the package imports them all: adding one is adding a file."""
 
-from router.schedule.scorers import inflight, kv_pressure, queued_tokens, uncached_prefill
+import importlib
+import pkgutil
 
-__all__ = ["inflight", "kv_pressure", "queued_tokens", "uncached_prefill"]
+for _m in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_m.name}")
