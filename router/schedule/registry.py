@@ -23,6 +23,8 @@ def _register(kind: Kind, name: str) -> Callable[[T], T]:
     def deco(cls: T) -> T:
         if name in _PLUGINS[kind]:
             raise ValueError(f"{kind} {name!r} is registered twice")
+        if getattr(cls, "name", name) != name:
+            raise ValueError(f"{kind} {cls.__name__} says its name is {cls.name!r}, not {name!r}")
         cls.name = name
         _PLUGINS[kind][name] = cls
         return cls
