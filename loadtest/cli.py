@@ -40,6 +40,7 @@ from loadtest import workloads as wl
 from loadtest.report import summary_table, write_report
 from loadtest.runner import (
     CLIENT_POLICIES,
+    GATEWAY_POLICIES,
     ClientTarget,
     GatewayTarget,
     RunResult,
@@ -213,8 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma list; each gets fresh replicas (--sim N) and a fresh target: "
         "round_robin, random (client-side until the in-process gateway is wired), "
-        "client:round_robin, client:random, or gateway policies (ttft, "
-        "least_loaded, consistent_hash)",
+        f"client:round_robin, client:random, or gateway policies ({', '.join(GATEWAY_POLICIES)})",
     )
     t.add_argument(
         "--targets",

@@ -43,7 +43,12 @@ from loadtest.workloads import RequestSpec, Session, Workload
 REPLICA_HEADER = "x-prefix-router-replica"
 CACHED_BLOCKS_HEADER = "x-prefix-router-cached-blocks"
 CLIENT_POLICIES = ("round_robin", "random")
-GATEWAY_POLICIES = ("ttft", "round_robin", "least_loaded", "consistent_hash", "random")
+try:  # the gateway's registry, ttft first; without the gateway, client-side baselines only
+    from router.schedule import policy_names
+
+    GATEWAY_POLICIES: tuple[str, ...] = tuple(policy_names())
+except ImportError:
+    GATEWAY_POLICIES = ()
 
 
 def bundled_tokenizer_dir() -> Path:
@@ -193,8 +198,8 @@ async def start_target(
     """A fresh target for ``policy`` in front of ``replica_urls`` and its async stop function.
 
     ``client:round_robin`` / ``client:random`` are the client-side baselines (no gateway). Other
-    names are gateway policies (``ttft``, ``round_robin``, ``least_loaded``, ``consistent_hash``,
-    ``random``), each run by a fresh in-process gateway; should none be importable,
+    names are gateway policies (``GATEWAY_POLICIES``, from the gateway's registry), each run
+    by a fresh in-process gateway; should none be importable,
     ``round_robin`` and ``random`` fall back to the client-side baselines (labelled so)."""
     if policy.startswith("client:"):
         p = policy.split(":", 1)[1]

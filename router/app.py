@@ -47,7 +47,7 @@ from router.metrics import Metrics
 from router.outlier import OutlierPolicy
 from router.prompt import NeedsThread, Renderer
 from router.request import Endpoint, RoutedRequest
-from router.schedule import Decision, HashRing, build_policy
+from router.schedule import Decision, HashRing, from_config
 from router.tenancy import SaltDecision, Tenancy
 from router.upstream import UpstreamPool
 
@@ -93,9 +93,7 @@ class Gateway:
         self.tenancy = Tenancy(config)
         self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
         self.ring = HashRing(virtual_nodes=config.virtual_nodes)
-        self.policy = build_policy(
-            config.policy, self.ring, config.load_bound, config.decode_cost_tokens
-        )
+        self.policy = from_config(config, self.ring)  # config.schedule + the policy flags
         self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
         self.chain_cache = blocks.ChainCache()
         self.session: aiohttp.ClientSession | None = None

@@ -19,6 +19,9 @@ from typing import Any
 
 import yaml
 
+from router.schedule import ScheduleError, check_config, policy_names
+from router.schedule.spec import lift as lift_schedule
+
 ENV_PREFIX = "PREFIX_ROUTER_"
 
 
@@ -54,8 +57,8 @@ class Config:
     )
     policy: str = _opt(
         "ttft",
-        "routing policy: ttft (default: lowest estimated time to first "
-        "token), round_robin, least_loaded, consistent_hash, random",
+        f"routing policy: {', '.join(policy_names())} (ttft: lowest estimated time to first "
+        "token; the others are baselines)",
     )
     metrics_port: int | None = _opt(
         None,
@@ -80,6 +83,12 @@ class Config:
         8.0,
         "cost of one running (decoding) request, in prompt-token equivalents, in the "
         "ttft policy's estimate",
+    )
+    schedule: dict[str, Any] = _opt(
+        {},
+        "the policy's parameters or a full plugin profile (config file only; see "
+        "docs/routing-plugins.md)",
+        flag=False,
     )
     # -- fleet
     health_interval_s: float = _opt(2.0, "seconds between active /health checks")
@@ -250,12 +259,10 @@ class Config:
             raise ConfigError(
                 f"first_byte_timeout_factor must be >= 1, got {self.first_byte_timeout_factor}"
             )
-        from router.schedule import POLICIES
-
-        if self.policy not in POLICIES:
-            raise ConfigError(
-                f"unknown policy {self.policy!r}; choose from {', '.join(sorted(POLICIES))}"
-            )
+        try:
+            check_config(self)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
         return self
 
     def redacted(self) -> dict[str, Any]:
@@ -406,6 +413,15 @@ def load_config(
             if name not in names:
                 raise ConfigError(f"{path}: unknown key {key!r}")
             values[name] = _coerce(name, hints[name], value, path)
+        if "schedule" in values:  # its policy and knobs are the top-level settings too
+            try:
+                lifted = lift_schedule(values["schedule"])
+            except ScheduleError as e:
+                raise ConfigError(f"{path}: {e}") from None
+            for name, value in lifted.items():
+                if name in values and values[name] != _coerce(name, hints[name], value, path):
+                    raise ConfigError(f"{path}: {name} is set twice (at top level and in schedule)")
+                values[name] = _coerce(name, hints[name], value, path)
 
     for name in names:
         key = ENV_PREFIX + name.upper()

@@ -121,6 +121,8 @@ async def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from router.schedule import policy_names
+
     p = argparse.ArgumentParser(
         prog="prefix-router demo",
         description=__doc__,
@@ -141,8 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--policies",
         default="ttft,round_robin",
-        help="comma-separated: gateway policies (ttft, round_robin, least_loaded, "
-        "consistent_hash, random) and client-side baselines (client:round_robin, "
+        help=f"comma-separated: gateway policies ({', '.join(policy_names())}) "
+        "and client-side baselines (client:round_robin, "
         "client:random); the first is compared with the last. Both defaults run through the "
         "gateway, so both pay the same proxy hop",
     )

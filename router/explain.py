@@ -68,34 +68,26 @@ def describe(
         out["decision"] = {
             "replica": decision.replica,
             "reason": decision.reason,
-            "why": _why(decision),
+            "why": decision.why,
             "predicted_cached_blocks": decision.matched_blocks,
             "predicted_cached_tokens": decision.matched_blocks * rr.block_size,
             "ring_choice": decision.ring_choice,
         }
+        # Each scorer's weighted term and each filter's verdict, whatever the plugins are.
         out["candidates"] = [
             {
                 "replica": s.url,
                 "matched_blocks": s.matched_blocks,
                 "load": s.load,
-                "uncached_tokens": s.uncached_tokens,
-                "queue_tokens": s.queue_tokens,
-                "estimated_cost_tokens": s.cost,
+                "terms": dict(s.terms),
+                "estimated_cost": s.cost,
                 "filtered": s.filtered,
+                "filtered_by": s.filtered_by,
                 "chosen": s.url == decision.replica,
             }
             for s in decision.scores
         ]
     return out
-
-
-def _why(d: Decision) -> str:
-    return {
-        "prefix": "the replica holding the longest prefix has the lowest estimated TTFT",
-        "spill": "a replica holding more of the prefix is too busy (its queue or the load "
-        "bound outweighs the prefill saved); this one finishes the prefill sooner",
-        "ring": "no replica holds any block of this prefix: its ring owner (bounded loads)",
-    }.get(d.reason, f"the {d.policy} baseline policy")
 
 
 def check_admin(request: web.Request, admin_key: str | None, *, required: bool) -> None:
@@ -130,6 +122,7 @@ async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web
         include_tokens=include,
         all_hashes=request.query.get("all_hashes", "") in ("1", "true"),
     )
+    body["schedule"] = gateway.policy.describe()  # the plugins and weights behind the terms
     return web.json_response(body)
 
 

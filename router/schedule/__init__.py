@@ -1,21 +1,42 @@
-"""Routing policies: candidates -> filters -> cost -> pick. Built by name from config."""
+"""Scheduling: candidates -> filters -> scorers -> picker, as named plugins.
 
-from router.schedule.policies import (
-    POLICIES,
+``registry`` registers plugins and policies by name; ``policies`` composes the named policies;
+``spec`` reads the config's ``schedule:``. Importing this package registers every plugin.
+"""
+
+from router.schedule import filters, pickers, registry, scorers  # noqa: F401 (plugins register)
+from router.schedule.pipeline import Pipeline
+from router.schedule.policies import POLICIES, build_policy
+from router.schedule.registry import PluginSpec, ProfileSpec, build, build_named, policy_names
+from router.schedule.ring import HashRing
+from router.schedule.spec import check_config, from_config
+from router.schedule.types import (
     Candidate,
     Decision,
-    Policy,
+    Pick,
+    ScheduleError,
     ScoredCandidate,
-    build_policy,
 )
-from router.schedule.ring import HashRing
+
+Policy = Pipeline  # every policy is a pipeline
 
 __all__ = [
     "POLICIES",
     "Candidate",
     "Decision",
     "HashRing",
+    "Pick",
+    "Pipeline",
+    "PluginSpec",
     "Policy",
+    "ProfileSpec",
+    "ScheduleError",
     "ScoredCandidate",
+    "build",
+    "build_named",
     "build_policy",
+    "check_config",
+    "from_config",
+    "policy_names",
+    "registry",
 ]

@@ -1,0 +1,25 @@
+"""Each eligible replica in turn."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from router.schedule import registry
+from router.schedule.types import Cycle, NoParams, Pick, ScoredCandidate
+
+
+@registry.picker("round_robin")
+class RoundRobin:
+    """Invariant: the n-th decision (explain included) takes the eligible replica at
+    ``n mod len`` in URL order."""
+
+    Params = NoParams
+    name = "round_robin"
+
+    def __init__(self, params: NoParams) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
+        ordered = sorted(s.url for s in scored if s.filtered is None)
+        return Pick(ordered[next(self._counter) % len(ordered)], None, "the next replica in turn")

@@ -1,0 +1,101 @@
+"""One policy as a pipeline: candidates -> filters -> weighted scorers -> picker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from router.request import RoutedRequest
+from router.schedule.recent import RecentCounts
+from router.schedule.ring import HashRing
+from router.schedule.types import (
+    Candidate,
+    Cycle,
+    Decision,
+    Filter,
+    Picker,
+    ScoredCandidate,
+    Scorer,
+)
+
+
+class Pipeline:
+    """Filters each judge the full candidate list; a candidate any of them removes is not
+    eligible. Should they together remove everyone, the later filters are relaxed first
+    (the earlier ones are the harder bounds) until someone is eligible. Each candidate's cost
+    is the sum of its weighted scorer terms; the picker chooses among the eligible."""
+
+    def __init__(
+        self,
+        name: str,
+        ring: HashRing,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+    ) -> None:
+        self.name = name
+        self.ring = ring
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+        plugins: list[Any] = [*self.filters, *(s for s, _ in self.scorers), picker]
+        # Whether a decision needs the index lookup (matched blocks) at all.
+        self.uses_index = any(getattr(p, "uses_index", False) for p in plugins)
+        self._tracks_recent = any(getattr(p, "uses_recent", False) for p in plugins)
+        self.recent = RecentCounts()
+
+    def placed(self, decision: Decision) -> None:
+        """The request was sent as decided (not called for explain)."""
+        if self._tracks_recent:
+            self.recent.add(decision.replica)
+
+    def describe(self) -> dict[str, Any]:
+        """The profile, for explain and docs."""
+        return {
+            "filters": [f.name for f in self.filters],
+            "scorers": {s.name: w for s, w in self.scorers},
+            "picker": self.picker.name,
+        }
+
+    def _removed(self, cycle: Cycle) -> dict[str, Filter]:
+        everyone = len(cycle.candidates)
+        removed: dict[str, Filter] = {}
+        stages = []
+        for f in self.filters:
+            for url in f.remove(cycle):
+                removed.setdefault(url, f)  # the first filter that removes it names why
+            stages.append(dict(removed))
+        for kept in reversed(stages):  # relax the later filters first
+            if len(kept) < everyone:
+                return kept
+        return {}
+
+    def choose(self, req: RoutedRequest, candidates: Sequence[Candidate]) -> Decision:
+        cycle = Cycle(req, candidates, self.ring, self.recent)
+        removed = self._removed(cycle)
+        scored = []
+        for c in candidates:
+            terms = {s.name: w * s.score(cycle, c) for s, w in self.scorers}
+            f = removed.get(c.url)
+            scored.append(
+                ScoredCandidate(
+                    url=c.url,
+                    matched_blocks=cycle.held(c),
+                    load=c.load,
+                    cost=sum(terms.values()),
+                    terms=terms,
+                    filtered=f.reason if f else None,
+                    filtered_by=f.name if f else None,
+                )
+            )
+        pick = self.picker.pick(cycle, scored)
+        chosen = next(s for s in scored if s.url == pick.replica)
+        return Decision(
+            replica=pick.replica,
+            matched_blocks=chosen.matched_blocks,
+            reason=pick.reason or self.name,
+            policy=self.name,
+            scores=tuple(scored),
+            ring_choice=pick.ring_choice,
+            why=pick.why,
+        )

@@ -1,0 +1,22 @@
+"""Requests in flight to the replica: in the TTFT cost, each one decoding slows a prefill by
+about ``decode_cost_tokens`` prompt tokens' worth (its weight there)."""
+
+from __future__ import annotations
+
+from router.schedule import registry
+from router.schedule.types import Candidate, Cycle, NoParams
+
+
+@registry.scorer("inflight")
+class Inflight:
+    """Invariant: the replica's requests in flight from all gateways (``Candidate.load``), a
+    count; the weight turns it into tokens."""
+
+    Params = NoParams
+    name = "inflight"
+
+    def __init__(self, params: NoParams) -> None:
+        pass
+
+    def score(self, cycle: Cycle, c: Candidate) -> float:
+        return c.load

@@ -1,0 +1,21 @@
+"""Prompt tokens already queued ahead on the replica."""
+
+from __future__ import annotations
+
+from router.schedule import registry
+from router.schedule.types import Candidate, Cycle, NoParams
+
+
+@registry.scorer("queued_tokens")
+class QueuedTokens:
+    """Invariant: the prompt tokens sent to the replica (by every gateway) that have not had
+    their first byte back yet, in tokens."""
+
+    Params = NoParams
+    name = "queued_tokens"
+
+    def __init__(self, params: NoParams) -> None:
+        pass
+
+    def score(self, cycle: Cycle, c: Candidate) -> float:
+        return c.pending_prefill_tokens

@@ -1,0 +1,22 @@
+"""Prompt tokens the replica would have to prefill: those its prefix cache does not hold."""
+
+from __future__ import annotations
+
+from router.schedule import registry
+from router.schedule.types import Candidate, Cycle, NoParams
+
+
+@registry.scorer("uncached_prefill")
+class UncachedPrefill:
+    """Invariant: ``prompt tokens - reusable blocks x block size``, in tokens; reusable blocks
+    are the index's match capped at the prompt's cacheable blocks, so it is never negative."""
+
+    Params = NoParams
+    name = "uncached_prefill"
+    uses_index = True
+
+    def __init__(self, params: NoParams) -> None:
+        pass
+
+    def score(self, cycle: Cycle, c: Candidate) -> float:
+        return cycle.req.num_tokens - cycle.held(c) * cycle.req.block_size

@@ -1,0 +1,178 @@
+"""What the scheduling plugins exchange: candidates in, a decision out, and their protocols.
+
+A decision runs ``candidates -> filters -> scorers -> picker``. Filters say who may not take
+the request, scorers add weighted cost terms, the picker chooses among the eligible ones.
+Each plugin is a class with a nested ``Params`` dataclass, built from a name and a mapping of
+parameters (``registry.build``); ``parse_params`` turns that mapping into the dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from router.blocks import cacheable_blocks
+from router.request import RoutedRequest
+from router.schedule.recent import RecentCounts
+from router.schedule.ring import HashRing
+
+
+class ScheduleError(ValueError):
+    """A scheduling spec problem (unknown plugin or parameter, bad value), phrased for the
+    person who wrote the config; ``router.config`` reports it as a ``ConfigError``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One healthy replica as the scheduler sees it for one decision."""
+
+    url: str
+    matched_blocks: int = 0  # leading blocks the index says it holds
+    inflight: int = 0  # requests in flight from all gateways
+    pending_prefill_tokens: int = 0  # prompt tokens sent but not yet answered (first byte)
+    waiting: int = 0  # scraped vllm:num_requests_waiting
+    running: int = 0  # scraped vllm:num_requests_running
+    kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc
+
+    @property
+    def load(self) -> int:
+        """Requests in flight to the replica from the gateways. The scraped vLLM gauges are
+        up to a scrape interval old, and at a few dozen requests a second a stale count
+        misdirects more than it informs, so the default policy does not read them."""
+        return self.inflight
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredCandidate:
+    """A candidate after filters and scorers: ``cost`` is the sum of ``terms``."""
+
+    url: str
+    matched_blocks: int  # capped at the prompt's cacheable blocks
+    load: int
+    cost: float
+    terms: Mapping[str, float] = field(default_factory=dict)  # scorer name -> weighted term
+    filtered: str | None = None  # why it was not eligible (the filter's reason), if it was not
+    filtered_by: str | None = None  # the filter that removed it
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    matched_blocks: int  # predicted cached blocks on the chosen replica
+    reason: str  # the picker's: prefix | spill | ring, or the policy's name
+    policy: str
+    scores: tuple[ScoredCandidate, ...] = ()
+    ring_choice: str | None = None
+    why: str = ""  # one sentence for operators, from the picker
+
+    @property
+    def terms(self) -> dict[str, dict[str, float]]:
+        """replica -> scorer -> weighted cost term."""
+        return {s.url: dict(s.terms) for s in self.scores}
+
+    @property
+    def filtered(self) -> dict[str, str]:
+        """replica -> the filter that removed it (only the removed ones)."""
+        return {s.url: s.filtered_by for s in self.scores if s.filtered_by}
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    replica: str
+    reason: str | None = None  # None: the policy's name is the reason
+    why: str = ""
+    ring_choice: str | None = None
+
+
+@dataclass(slots=True)
+class Cycle:
+    """One decision's inputs, shared by its plugins."""
+
+    req: RoutedRequest
+    candidates: Sequence[Candidate]
+    ring: HashRing
+    recent: RecentCounts  # requests placed per replica, decayed (the pipeline keeps it)
+    limit: int = 0  # cacheable blocks of the prompt
+
+    def __post_init__(self) -> None:
+        self.limit = cacheable_blocks(self.req.num_tokens, self.req.block_size)
+
+    def held(self, c: Candidate) -> int:
+        """Blocks ``c`` holds that the request can reuse."""
+        return min(c.matched_blocks, self.limit)
+
+
+class Filter(Protocol):
+    name: ClassVar[str]
+    reason: ClassVar[str]  # shown for each candidate it removes
+
+    def remove(self, cycle: Cycle) -> set[str]:
+        """URLs of the candidates that may not take this request. Judges the full list."""
+        ...
+
+
+class Scorer(Protocol):
+    name: ClassVar[str]
+
+    def score(self, cycle: Cycle, c: Candidate) -> float:
+        """An unweighted cost term for ``c``; lower is better."""
+        ...
+
+
+class Picker(Protocol):
+    name: ClassVar[str]
+
+    def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
+        """Choose among ``scored`` (those with ``filtered is None`` are eligible; at least one
+        is)."""
+        ...
+
+
+@dataclass(frozen=True)
+class NoParams:
+    pass
+
+
+def parse_params(cls: type[Any], raw: Mapping[str, Any], where: str) -> Any:
+    """``cls`` (a dataclass) from a mapping: unknown names and values of the wrong type are
+    a ``ScheduleError`` naming the valid ones; ``__post_init__`` may check ranges."""
+    if not isinstance(raw, Mapping):
+        raise ScheduleError(f"{where}: params must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        valid = ", ".join(fields) if fields else "none (it takes no parameters)"
+        raise ScheduleError(f"{where}: unknown parameter {unknown[0]!r}; valid: {valid}")
+    values = {name: _coerce(hints[name], value, f"{where}: {name}") for name, value in raw.items()}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ScheduleError(f"{where}: {e}") from None
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp in (int, float) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if tp is float and not math.isnan(number):
+            return number
+        if tp is int and number.is_integer():
+            return int(number)
+    if tp is str and isinstance(value, str):
+        return value
+    raise ScheduleError(f"{where} must be {getattr(tp, '__name__', tp)}, got {value!r}")

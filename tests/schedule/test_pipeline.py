@@ -1,0 +1,55 @@
+"""The pipeline's own rules: filters relax last-first, cost is the sum of weighted terms,
+the Decision carries every term and which filter removed whom."""
+
+from __future__ import annotations
+
+from router.schedule import Candidate, HashRing, PluginSpec, ProfileSpec, build
+from tests.schedule.common import req
+
+
+def _profile(*filters: str, weights: dict[str, float] | None = None) -> ProfileSpec:
+    weights = weights or {"uncached_prefill": 1.0, "inflight": 8.0}
+    return ProfileSpec(
+        tuple(PluginSpec(f) for f in filters),
+        tuple(PluginSpec(n, weight=w) for n, w in weights.items()),
+        PluginSpec("ring_min_cost"),
+    )
+
+
+def test_terms_and_cost_are_visible_per_candidate():
+    p = build(_profile(), HashRing(["a", "b"]))
+    d = p.choose(req(160), [Candidate("a", matched_blocks=5, inflight=2), Candidate("b")])
+    assert d.terms == {
+        "a": {"uncached_prefill": 160 - 5 * 16, "inflight": 16.0},
+        "b": {"uncached_prefill": 160.0, "inflight": 0.0},
+    }
+    assert [s.cost for s in d.scores] == [96.0, 160.0]
+    assert d.replica == "a" and d.reason == "prefix"
+
+
+def test_filters_record_who_removed_whom_and_relax_last_first():
+    p = build(_profile("load_bound", "recent_share"), HashRing(["a", "b", "c"]))
+    cands = [Candidate("a", matched_blocks=9, inflight=30), Candidate("b"), Candidate("c")]
+    d = p.choose(req(160), cands)
+    assert d.filtered == {"a": "load_bound"} and d.replica != "a"
+    # recent_share removes everyone: it is relaxed, load_bound still holds
+    p.recent.clock = lambda: 0.0
+    for u in ("b", "c"):
+        for _ in range(40):
+            p.recent.add(u)
+    loads = [Candidate("a", inflight=30), Candidate("b", inflight=0), Candidate("c")]
+    d = p.choose(req(160), loads)
+    assert d.filtered == {"a": "load_bound"}
+
+
+def test_when_every_bound_would_remove_everyone_nobody_is_removed():
+    p = build(_profile("load_bound"), HashRing(["a"]))
+    assert p.choose(req(160), [Candidate("a", inflight=50)]).filtered == {}
+
+
+def test_weight_zero_scorers_are_left_out_and_uses_index_follows_the_plugins():
+    p = build(_profile(weights={"inflight": 1.0, "kv_pressure": 0.0}), HashRing(["a"]))
+    assert p.describe()["scorers"] == {"inflight": 1.0}
+    assert p.uses_index  # ring_min_cost reads matches
+    baseline = build(ProfileSpec((), (), PluginSpec("round_robin")), HashRing(["a"]))
+    assert not baseline.uses_index
