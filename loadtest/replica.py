@@ -37,10 +37,10 @@ from typing import Any, TypeVar
 import xxhash
 from aiohttp import web
 
-import router
 from loadtest.sim.engine import ABORTED, FINISHED, WAITING, Engine, Seq, new_stats
 from loadtest.sim.kvcache import block_hashes
 from loadtest.sim.metrics import SimMetrics
+from router.bundled import tokenizer_dir
 from router.errors import APIError, bad_request
 from router.prompt import Renderer
 
@@ -56,7 +56,7 @@ __all__ = [
 
 log = logging.getLogger("loadtest.replica")
 
-DEFAULT_TOKENIZER = str(Path(router.__file__).parent / "assets/tokenizers/qwen3")
+DEFAULT_TOKENIZER = str(tokenizer_dir())
 VLLM_VERSION = "0.34.0"
 _T = TypeVar("_T")
 

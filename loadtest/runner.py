@@ -39,6 +39,7 @@ from tqdm import tqdm
 from loadtest import metrics_scrape as ms
 from loadtest.ideal import IdealRequest, IdealResult, ideal_hit_rate
 from loadtest.workloads import RequestSpec, Session, Workload
+from router.bundled import tokenizer_dir
 
 REPLICA_HEADER = "x-prefix-router-replica"
 CACHED_BLOCKS_HEADER = "x-prefix-router-cached-blocks"
@@ -47,9 +48,7 @@ GATEWAY_POLICIES = ("ttft", "round_robin", "least_loaded", "consistent_hash", "r
 
 
 def bundled_tokenizer_dir() -> Path:
-    import router
-
-    return Path(router.__file__).resolve().parent / "assets" / "tokenizers" / "qwen3"
+    return tokenizer_dir()
 
 
 _RENDERERS: dict[str, Any] = {}
