@@ -32,6 +32,9 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY router ./router
+# loadtest/ brings the simulated vLLM replicas (deploy/compose/compose.sim.yaml), which need
+# nothing beyond the gateway's own dependencies; the demo's and load tests' plotting stack is
+# the [loadtest] extra, which the image leaves out.
 COPY loadtest ./loadtest
 # A regular (non-editable) install: the venv is self-contained and /src is left behind.
 # Byte-compile everything now: the runtime root filesystem may be read-only.
@@ -55,8 +58,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     HF_HUB_DISABLE_TELEMETRY=1 \
-    HF_HOME=/tmp/hf-home \
-    MPLCONFIGDIR=/tmp/matplotlib
+    HF_HOME=/tmp/hf-home
 
 RUN groupadd --system --gid 10001 router \
     && useradd --system --uid 10001 --gid router --no-create-home \

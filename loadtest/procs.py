@@ -21,9 +21,9 @@ from pathlib import Path
 
 import aiohttp
 
-import router
+from router.bundled import tokenizer_dir
 
-TOKENIZER = str(Path(router.__file__).parent / "assets" / "tokenizers" / "qwen3")
+TOKENIZER = str(tokenizer_dir())
 
 
 def free_port() -> int:

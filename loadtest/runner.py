@@ -38,7 +38,9 @@ from tqdm import tqdm
 
 from loadtest import metrics_scrape as ms
 from loadtest.ideal import IdealRequest, IdealResult, ideal_hit_rate
+from loadtest.sim.tokens import get_renderer
 from loadtest.workloads import RequestSpec, Session, Workload
+from router.bundled import tokenizer_dir
 
 REPLICA_HEADER = "x-prefix-router-replica"
 CACHED_BLOCKS_HEADER = "x-prefix-router-cached-blocks"
@@ -52,26 +54,14 @@ except ImportError:
 
 
 def bundled_tokenizer_dir() -> Path:
-    import router
-
-    return Path(router.__file__).resolve().parent / "assets" / "tokenizers" / "qwen3"
-
-
-_RENDERERS: dict[str, Any] = {}
+    return tokenizer_dir()
 
 
 def default_renderer(path: str | Path | None = None) -> Any:
-    """``router.prompt.Renderer`` for the bundled Qwen3 tokenizer (cached per process), on its
-    plain whole-prompt path (``tokenize_chat`` renders exactly as vLLM)."""
-    key = str(path or bundled_tokenizer_dir())
-    replica = sys.modules.get("loadtest.replica")
-    if replica is not None:  # share the simulated replicas' renderer (loading one costs s)
-        return replica.get_renderer(key)
-    if key not in _RENDERERS:
-        from router.prompt import Renderer
-
-        _RENDERERS[key] = Renderer.from_pretrained(key, segment_cache=False)
-    return _RENDERERS[key]
+    """``router.prompt.Renderer`` for the bundled Qwen3 tokenizer, on its plain whole-prompt
+    path (``tokenize_chat`` renders exactly as vLLM); the one the simulated replicas in this
+    process share (loading one costs seconds)."""
+    return get_renderer(str(path or bundled_tokenizer_dir()))
 
 
 # ---------------------------------------------------------------------------------------------

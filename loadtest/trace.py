@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.workloads import DEFAULT_MODEL, RequestSpec, Script, Session, Workload
+from loadtest.spec import DEFAULT_MODEL, RequestSpec, Script, Session, Workload
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_TRACE = DATA_DIR / "mooncake_conversation_trace_head3000.jsonl"

@@ -30,93 +30,43 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+from loadtest.spec import (
+    DEFAULT_MODEL,
+    Endpoint,
+    RequestSpec,
+    Script,
+    Session,
+    Workload,
+)
+from loadtest.trace import trace_workload
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "PREAMBLE_POSITIONS",
+    "WORKLOADS",
+    "Endpoint",
+    "RequestSpec",
+    "Script",
+    "Session",
+    "Workload",
+    "build",
+    "collect_specs",
+    "make_preamble",
+    "multi_tenant",
+    "preamble",
+    "prefix_repetition",
+    "tenant_system_prompt",
+    "trace",
+]
 
 PREAMBLE_POSITIONS = ("first", "after_system", "last")
 WORKLOADS = ("preamble", "multi_tenant", "trace", "prefix_repetition")
-
-Endpoint = Literal["chat", "completions"]
-
-
-@dataclass
-class RequestSpec:
-    """One request a session wants to send.
-
-    ``body`` is the OpenAI request body (without ``stream``/``stream_options``, which the runner
-    sets). Token-id workloads build the body lazily (``body_fn``) so a long replay does not
-    hold every prompt in memory; ``token_ids_fn`` returns the prompt's token ids when they are
-    known without tokenizing (token-id prompts). ``delay_s`` is how long to wait before
-    sending: after the previous turn's answer (think time) or, for the first turn, after the
-    session's arrival."""
-
-    endpoint: Endpoint
-    group: str
-    session: str
-    turn: int
-    body: dict[str, Any] | None = None
-    body_fn: Callable[[], dict[str, Any]] | None = None
-    token_ids_fn: Callable[[], list[int]] | None = None
-    delay_s: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)  # e.g. the tenant's Authorization
-
-    def make_body(self) -> dict[str, Any]:
-        if self.body is not None:
-            return self.body
-        if self.body_fn is None:
-            raise ValueError("RequestSpec has neither body nor body_fn")
-        return self.body_fn()
-
-    def prompt_token_ids(self, renderer: Any | None = None) -> list[int]:
-        """The prompt's token ids: given for token-id prompts, else rendered and tokenized
-        with ``renderer`` (a ``router.prompt.Renderer``) exactly as vLLM would."""
-        if self.token_ids_fn is not None:
-            return self.token_ids_fn()
-        if renderer is None:
-            raise ValueError("a renderer is needed to tokenize a chat request")
-        body = self.make_body()
-        if self.endpoint == "chat":
-            return list(renderer.tokenize_chat(body))
-        return list(renderer.tokenize_completion(body["prompt"]))
-
-
-Script = Generator[RequestSpec, "str | None", None]
-
-
-@dataclass
-class Session:
-    """A conversation (or a single request): arrives at ``start_s`` seconds into the run."""
-
-    id: str
-    group: str
-    start_s: float
-    script: Callable[[], Script]
-    turns: int = 1
-
-
-@dataclass
-class Workload:
-    name: str
-    description: str
-    sessions: list[Session]
-    model: str = DEFAULT_MODEL
-    params: dict[str, Any] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def planned_requests(self) -> int:
-        return sum(s.turns for s in self.sessions)
-
-    def label(self) -> str:
-        extra = self.params.get("position")
-        return f"{self.name}/{extra}" if extra else self.name
 
 
 def _rng(seed: int, *parts: object) -> random.Random:
@@ -482,8 +432,6 @@ def _tenant_conversation(
 
 def trace(path: str | Path | None = None, **kwargs: Any) -> Workload:
     """Mooncake-format trace replay; see :func:`loadtest.trace.trace_workload`."""
-    from loadtest.trace import trace_workload
-
     return trace_workload(path, **kwargs)
 
 

@@ -7,7 +7,10 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from typing import Protocol
 
 from router import __version__
 from router.config import Config, ConfigError, add_arguments, dump_yaml, load_config
@@ -120,13 +123,68 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+# Subcommands built into the gateway, each parsed by its module's own ``main(argv)``.
 DELEGATED = {
-    "demo": ("router.demo", "simulated replicas + the gateway vs round robin, on loopback"),
-    "replica": ("loadtest.replica", "run simulated vLLM replicas (no GPU)"),
-    "loadtest": ("loadtest.cli", "load-test replica affinity and write a report"),
     "explain": ("router.explain", "print token ids and block hashes for request bodies"),
     "diagnose": ("router.diagnose", "explain a low prefix-cache hit rate from captured requests"),
 }
+
+# Subcommands other packages add (the demo, the vLLM simulator and the load tests, which live
+# above the gateway and import it, never the other way round). Each entry point names an
+# object with a ``help`` line that is called with the subcommand's argv and returns an exit
+# status: it parses its own flags, so nested subcommands and their --help stay the plugin's.
+PLUGIN_GROUP = "prefix_router.commands"
+PLUGIN_HINT = (
+    "The demo, the simulated vLLM replicas and the load tests (prefix-router demo | replica |\n"
+    "loadtest) are not installed here; they come with the load-test tools:\n"
+    "  pip install '.[loadtest]'   (in a prefix-router checkout)"
+)
+
+
+class Command(Protocol):
+    help: str
+
+    def __call__(self, argv: list[str]) -> int: ...
+
+
+def _plugin_entry_points() -> list[EntryPoint]:
+    """The group's entry points from the installed metadata; when there are none, the same
+    table read from the pyproject.toml of the source tree this package was imported from.
+
+    Why the fallback: metadata is written at install time, so an uninstalled checkout (or an
+    editable install made before the table existed) has none, yet the table is right there.
+    Reading it keeps pyproject.toml the one declaration of the plugins, and router/ never
+    names the packages that provide them."""
+    found = list(entry_points(group=PLUGIN_GROUP))
+    if found:
+        return found
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+    except (ImportError, OSError, ValueError):  # no tomllib (3.10), no file, bad TOML
+        return []
+    if project.get("name") != "prefix-router":
+        return []
+    table = project.get("entry-points", {}).get(PLUGIN_GROUP, {})
+    return [EntryPoint(name, value, PLUGIN_GROUP) for name, value in table.items()]
+
+
+def plugin_commands() -> dict[str, Command]:
+    """The installed plugin commands by name; one that cannot be imported is left out (and
+    ``prefix-router --help`` says how to get it)."""
+    commands: dict[str, Command] = {}
+    for ep in _plugin_entry_points():
+        if ep.name in DELEGATED or ep.name == "serve" or ep.name in commands:
+            continue  # a plugin never shadows a built-in command
+        try:
+            command = ep.load()
+        except ImportError:
+            continue
+        if callable(command):
+            commands[ep.name] = command
+    return commands
 
 
 def _delegate(command: str, argv: list[str]) -> int:
@@ -136,10 +194,14 @@ def _delegate(command: str, argv: list[str]) -> int:
     return int(main(argv) or 0)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Mapping[str, Command] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; ``commands``: the plugin commands to list (default: discover)."""
+    if commands is None:
+        commands = plugin_commands()
     parser = argparse.ArgumentParser(
         prog="prefix-router",
         description=DESCRIPTION,
+        epilog=None if commands else PLUGIN_HINT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"prefix-router {__version__}")
@@ -155,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_serve)
 
+    # Parsed by the subcommand's own parser (see main); listed here for --help.
+    for name, command in commands.items():
+        sub.add_parser(name, help=getattr(command, "help", None), add_help=False)
     for name, (_, text) in DELEGATED.items():
-        # Parsed by the subcommand's own parser (see main); listed here for --help.
         sub.add_parser(name, help=text, add_help=False)
     return parser
 
@@ -170,7 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _delegate(argv[0], argv[1:])
         except KeyboardInterrupt:
             return 130
-    parser = build_parser()
+    # `serve` needs no plugin: the gateway process never imports one.
+    commands = {} if argv[:1] == ["serve"] else plugin_commands()
+    if argv and argv[0] in commands:
+        try:
+            return int(commands[argv[0]](argv[1:]) or 0)
+        except KeyboardInterrupt:
+            return 130
+    if argv and not commands and argv[0] != "serve" and not argv[0].startswith("-"):
+        print(f"prefix-router: no command {argv[0]!r} here.\n{PLUGIN_HINT}", file=sys.stderr)
+        return 2
+    parser = build_parser(commands)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

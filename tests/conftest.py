@@ -4,15 +4,14 @@ on loopback sockets."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import router
+from router.bundled import tokenizer_dir
 from router.prompt import Renderer
 
-TOKENIZER_DIR = str(Path(router.__file__).parent / "assets" / "tokenizers" / "qwen3")
+TOKENIZER_DIR = str(tokenizer_dir())
 
 
 @pytest.fixture(scope="session")

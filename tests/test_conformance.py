@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from router.bundled import tokenizer_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "oracle_cases.jsonl"
 
@@ -69,7 +71,7 @@ def renderer(segment_cache: bool) -> Any:
     from router.prompt import Renderer
 
     return Renderer.from_pretrained(
-        str(ROOT / "router" / "assets" / "tokenizers" / "qwen3"),
+        str(tokenizer_dir()),
         segment_cache=segment_cache,
         max_model_len=tool.ORACLE_MAX_MODEL_LEN,
         vocab_size=tool.ORACLE_VOCAB_SIZE,

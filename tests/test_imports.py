@@ -11,8 +11,6 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("router", "loadtest")
 OPS = ("router.admin", "router.cli", "router.diagnose", "router.explain", "router.offline")
@@ -170,20 +168,11 @@ def test_the_gateway_imports_no_ops_module():
         assert not ops, f"{module} imports {ops}: ops modules sit above the gateway"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/demo.py and router/cli.py still import loadtest: moved by the "
-    "loadtest-above-router work",
-)
 def test_router_never_imports_loadtest():
     graph = import_graph()
     up = {m: sorted(t for t in ts if t.split(".")[0] == "loadtest") for m, ts in graph.items()}
     assert {m: ts for m, ts in up.items() if m.split(".")[0] == "router" and ts} == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loadtest/trace.py <-> loadtest/workloads.py still import each other",
-)
 def test_loadtest_has_no_import_cycle():
     assert cycles(import_graph(), "loadtest") == []

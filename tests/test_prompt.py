@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.bundled import tokenizer_dir
 from router.errors import APIError
 from router.prompt import Renderer
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_DIR = ROOT / "router" / "assets" / "tokenizers" / "qwen3"
+TOKENIZER_DIR = tokenizer_dir()
 FIXTURE = ROOT / "tests" / "data" / "oracle_cases.jsonl"
 ORACLE_MAX_MODEL_LEN = 40960  # the oracle's model config
 ORACLE_VOCAB_SIZE = 151936

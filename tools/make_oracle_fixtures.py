@@ -807,9 +807,10 @@ def main() -> int:
     results = run_oracle(CASES, path)
 
     sys.path.insert(0, str(ROOT))
+    from router.bundled import tokenizer_dir
     from router.prompt import Renderer
 
-    tok_dir = ROOT / "router" / "assets" / "tokenizers" / "qwen3"
+    tok_dir = tokenizer_dir()
     renderers = {
         mode: Renderer.from_pretrained(
             str(tok_dir),

@@ -15,6 +15,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from loadtest import procs
+from loadtest.runner import ClientTarget, GatewayTarget, attach_ideal, run_workload
+from loadtest.sim.tokens import get_renderer
+from loadtest.workloads import multi_tenant
+
 
 def _row(name: str, r: Any) -> str:
     def pct(x: float | None) -> str:
@@ -31,11 +36,6 @@ def _row(name: str, r: Any) -> str:
 
 
 async def run(a: argparse.Namespace) -> int:
-    from loadtest import procs
-    from loadtest.replica import get_renderer
-    from loadtest.runner import ClientTarget, GatewayTarget, attach_ideal, run_workload
-    from loadtest.workloads import multi_tenant
-
     renderer = get_renderer()  # for the ideal hit rate: the same tokens vLLM would see
     sim_args = (
         "--num-gpu-blocks",

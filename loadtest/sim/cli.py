@@ -1,0 +1,186 @@
+"""``python -m loadtest.replica`` (also ``prefix-router replica`` and ``python -m loadtest
+sim``): simulated replicas on consecutive ports until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from loadtest.sim.config import DEFAULT_TOKENIZER, SimConfig
+from loadtest.sim.server import SimReplica
+from loadtest.sim.tokens import get_renderer, get_words
+
+
+def build_parser(prog: str = "python -m loadtest.replica") -> argparse.ArgumentParser:
+    d = SimConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run simulated vLLM replicas: vLLM's OpenAI-compatible API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, "
+        "/detokenize, /health, /version, /metrics) with vLLM's prefix cache and a "
+        "prefill/decode timing model, no GPU. Prints 'ready http://HOST:PORT' per "
+        "replica once listening; stops on SIGINT/SIGTERM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=9001,
+        help="port of the first replica (0: any free port for each)",
+    )
+    p.add_argument(
+        "--count", type=int, default=1, help="number of replicas, on consecutive ports from --port"
+    )
+    p.add_argument("--model", default=d["model"].default, help="served model name")
+    p.add_argument(
+        "--tokenizer", default=DEFAULT_TOKENIZER, help="tokenizer directory or Hugging Face name"
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=d["block_size"].default,
+        help="tokens per KV block (the prefix-cache granularity)",
+    )
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=d["num_gpu_blocks"].default,
+        help="KV blocks in the pool; free cached blocks are evicted LRU",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=d["prefill_tokens_per_s"].default,
+        help="uncached prompt tokens processed per second (one FIFO per replica)",
+    )
+    p.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=d["decode_tokens_per_s"].default,
+        help="output tokens per second of each running request",
+    )
+    p.add_argument(
+        "--request-overhead-s",
+        type=float,
+        default=d["request_overhead_s"].default,
+        help="fixed time per request before its first token",
+    )
+    p.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=d["max_tokens_default"].default,
+        help="output tokens when a request sets no max_tokens",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d["max_num_seqs"].default,
+        help="most requests admitted at once; the rest wait",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d["max_model_len"].default,
+        help="context length (prompt + output)",
+    )
+    p.add_argument(
+        "--lora",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="LoRA adapter names served besides the base model",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    p.add_argument(
+        "--always-report-cached-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send prompt_tokens_details {cached_tokens: 0} on a miss, as vLLM 0.34 does "
+        "(--no-always-report-cached-tokens: null on a miss, as older releases)",
+    )
+    p.add_argument(
+        "--instant", action="store_true", help="no simulated time at all: answer immediately"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated tokens")
+    p.add_argument("--log-level", default="WARNING", help="logging level")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        request_overhead_s=args.request_overhead_s,
+        max_tokens_default=args.max_tokens_default,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        lora_adapters=list(args.lora),
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        always_report_cached_tokens=args.always_report_cached_tokens,
+        instant=args.instant,
+        seed=args.seed,
+    )
+
+
+async def _serve(cfg: SimConfig, host: str, port: int, count: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    renderer = await asyncio.to_thread(get_renderer, cfg.tokenizer)
+    await asyncio.to_thread(get_words, renderer)
+    replicas: list[SimReplica] = []
+    try:
+        for i in range(count):
+            r = SimReplica(cfg, renderer)
+            try:
+                await r.start(host, port + i if port else 0)
+            except OSError as e:
+                print(
+                    f"error: cannot listen on {host}:{port + i if port else 0}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            replicas.append(r)
+            print(f"ready {r.url}", flush=True)
+        await stop.wait()
+        return 0
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.count < 1:
+        print("error: --count must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(cfg, args.host, args.port, args.count))
+    except KeyboardInterrupt:
+        return 0

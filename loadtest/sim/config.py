@@ -1,0 +1,59 @@
+"""What one simulated replica serves and how fast: ``SimConfig`` (every field is a flag of
+``python -m loadtest.replica``; see ``loadtest.sim.cli``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from router.bundled import tokenizer_dir
+
+DEFAULT_TOKENIZER = str(tokenizer_dir())
+VLLM_VERSION = "0.34.0"
+
+
+@dataclass
+class SimConfig:
+    model: str = "Qwen/Qwen3-0.6B"
+    tokenizer: str = DEFAULT_TOKENIZER
+    block_size: int = 16
+    num_gpu_blocks: int = 4096  # finite pool, LRU eviction of free cached blocks
+    prefill_tokens_per_s: float = 200_000.0  # uncached prompt tokens/s, one FIFO per replica
+    decode_tokens_per_s: float = 2_000.0  # per running sequence
+    request_overhead_s: float = 0.0005  # fixed, per request, before the first token
+    max_tokens_default: int = 16  # when the request gives no max_tokens/max_completion_tokens
+    max_num_seqs: int = 256
+    max_model_len: int = 40960
+    lora_adapters: list[str] = field(default_factory=list)  # extra cards, parent = model
+    enable_prompt_tokens_details: bool = True
+    # vLLM attaches prompt_tokens_details only when cached_tokens > 0 (null / absent on a
+    # miss); True reports {"cached_tokens": 0} on a miss too.
+    # vLLM 0.34 reports {cached_tokens: 0} on a miss; older releases sent null there.
+    always_report_cached_tokens: bool = True
+    instant: bool = False  # all timing zero (overhead benchmarks)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = (
+            "block_size",
+            "num_gpu_blocks",
+            "max_tokens_default",
+            "max_num_seqs",
+            "max_model_len",
+        )
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SimConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"SimConfig.{name} must be a positive number, got {v!r}")
+        if not (
+            isinstance(self.request_overhead_s, (int, float))
+            and 0 <= self.request_overhead_s < math.inf
+        ):
+            raise ValueError("SimConfig.request_overhead_s must be >= 0")
+        self.lora_adapters = list(self.lora_adapters)
+        if self.model in self.lora_adapters:
+            raise ValueError("a LoRA adapter cannot have the base model's name")

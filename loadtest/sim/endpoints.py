@@ -1,0 +1,128 @@
+"""The rest of a simulated replica's HTTP surface, as vLLM answers it: ``/tokenize``,
+``/detokenize``, ``/v1/models``, ``/health``, ``/version``, ``/metrics`` and
+``/reset_prefix_cache``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from loadtest.sim.config import VLLM_VERSION
+from loadtest.sim.protocol import OFFLOAD_BYTES, json_response, offload, opt_bool, read_json
+from router.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from loadtest.sim.server import SimReplica
+
+
+class Endpoints:
+    """Handlers bound to one replica."""
+
+    def __init__(self, replica: SimReplica) -> None:
+        self.r = replica
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body, size = await read_json(request)
+        self.r.resolve_model(body)
+        want_strs = bool(opt_bool(body, "return_token_strs"))
+        if "messages" in body:
+            ids = await offload(lambda: self.r.render_chat(body), size > OFFLOAD_BYTES)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad_request("prompt must be a string (or send messages)", "prompt")
+            add_special = opt_bool(body, "add_special_tokens")
+            add_special = True if add_special is None else add_special
+
+            def encode() -> list[int]:
+                by_request = getattr(self.r.renderer, "tokenize_completion_request", None)
+                try:
+                    if by_request is not None:
+                        return list(
+                            by_request({"prompt": prompt, "add_special_tokens": add_special})[0]
+                        )
+                    if add_special:
+                        return self.r.tokenize_prompt(prompt)
+                    return list(self.r.renderer.tokenizer.encode(prompt, add_special_tokens=False))
+                except APIError:
+                    raise
+                except Exception as e:
+                    raise bad_request(f"Could not tokenize the prompt: {e}", "prompt") from None
+
+            ids = await offload(encode, size > OFFLOAD_BYTES)
+        strs = self.r.renderer.tokenizer.convert_ids_to_tokens(ids) if want_strs else None
+        return json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.r.config.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body, _ = await read_json(request)
+        self.r.resolve_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        self.r.check_ids(tokens, "tokens")
+        return json_response({"prompt": self.r.renderer.decode(tokens)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        c = self.r.config
+
+        def card(mid: str, root: str, parent: str | None, max_len: int | None) -> dict:
+            return {
+                "id": mid,
+                "object": "model",
+                "created": self.r.created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_DNS, mid).hex}",
+                        "object": "model_permission",
+                        "created": self.r.created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+
+        data = [card(c.model, c.model, None, c.max_model_len)]
+        data += [card(name, f"/adapters/{name}", c.model, None) for name in c.lora_adapters]
+        return json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.r.health_status)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": VLLM_VERSION})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        running, waiting = self.r.engine.counts()
+        m = self.r.metrics
+        m.running.set(running)
+        m.waiting.set(waiting)
+        m.kv_usage.set(self.r.engine.pool.usage())
+        return web.Response(
+            body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.r.reset_cache()
+        return web.Response(status=200)

@@ -1,0 +1,256 @@
+"""The generation endpoints of a simulated replica: ``/v1/chat/completions`` and
+``/v1/completions``. A request is validated as vLLM validates it, tokenized and hashed into
+vLLM's block hashes, submitted to the engine and answered whole or streamed
+(``loadtest.sim.stream``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from loadtest.sim.engine import ABORTED, FINISHED, Seq
+from loadtest.sim.kvcache import block_hashes
+from loadtest.sim.protocol import (
+    OFFLOAD_BYTES,
+    OFFLOAD_TOKENS,
+    cache_salt,
+    completion_prompts,
+    json_response,
+    make_usage,
+    offload,
+    opt_int,
+    read_json,
+    stream_options,
+)
+from router.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from loadtest.sim.server import SimReplica
+
+
+class Generation:
+    """Request handlers bound to one replica (its config, engine, tokenizer and faults)."""
+
+    def __init__(self, replica: SimReplica) -> None:
+        self.r = replica
+
+    def _max_tokens(self, requested: int | None, p: int) -> int:
+        c = self.r.config
+        if p == 0:
+            raise bad_request("The decoder prompt cannot be empty", "prompt")
+        if requested is None:
+            if p >= c.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {c.max_model_len} tokens. "
+                    f"However, your request has {p} input tokens. Please reduce the length "
+                    "of the input messages.",
+                    "messages",
+                )
+            m = min(c.max_tokens_default, c.max_model_len - p)
+        else:
+            m = requested
+            if p + m > c.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {c.max_model_len} tokens. "
+                    f"However, you requested {p + m} tokens ({p} in the messages, {m} in "
+                    "the completion). Please reduce the length of the messages or "
+                    "completion.",
+                    "max_tokens",
+                )
+        need = self.r.engine.blocks_needed(p, m)
+        if need > c.num_gpu_blocks:
+            raise bad_request(
+                f"The request needs {need} KV cache blocks ({p} prompt + {m} output tokens, "
+                f"block size {c.block_size}) but the replica has only {c.num_gpu_blocks}.",
+                "max_tokens",
+            )
+        return m
+
+    def _make_seq(
+        self,
+        request_id: str,
+        ids: list[int],
+        hashes: list[bytes],
+        max_tokens: int,
+        lora: str | None,
+        salt: str | None,
+        meta: dict[str, Any],
+    ) -> Seq:
+        words = self.r.words
+        out = words.sample(self.r.config.seed, ids, max_tokens)
+        return Seq(request_id, ids, out, hashes, lora=lora, cache_salt=salt, meta=meta)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        words = self.r.words
+        return "".join(words.text[t] for t in ids)
+
+    def _request_id(self, request: web.Request) -> str:
+        rid = request.headers.get("X-Request-Id")
+        return rid if rid else uuid.uuid4().hex
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.r.faults.check()
+        await self.r.faults.hang()
+        body, size = await read_json(request)
+        model, lora = self.r.resolve_model(body)
+        salt = cache_salt(body)
+        stream, include_usage = stream_options(body)
+        mct = opt_int(body, "max_completion_tokens", 1)
+        mt = opt_int(body, "max_tokens", 1)
+        opt_int(body, "n", 1)
+        bs = self.r.config.block_size
+
+        def prepare() -> tuple[list[int], list[bytes]]:
+            ids = self.r.render_chat(body)
+            return ids, block_hashes(ids, bs, lora=lora, cache_salt=salt)
+
+        ids, hashes = await offload(prepare, size > OFFLOAD_BYTES)
+        max_tokens = self._max_tokens(mct or mt, len(ids))
+        base = self._request_id(request)
+        rid = f"chatcmpl-{base}"
+        seq = self._make_seq(
+            rid, ids, hashes, max_tokens, lora, salt, {"endpoint": "chat", "model": model}
+        )
+        return await self._generate(request, "chat", rid, base, model, [seq], stream, include_usage)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.r.faults.check()
+        await self.r.faults.hang()
+        body, size = await read_json(request)
+        model, lora = self.r.resolve_model(body)
+        salt = cache_salt(body)
+        stream, include_usage = stream_options(body)
+        mt = opt_int(body, "max_tokens", 1)
+        opt_int(body, "n", 1)
+        bs = self.r.config.block_size
+        by_request = getattr(self.r.renderer, "tokenize_completion_request", None)
+        if by_request is None:  # an older Renderer: parse the prompt forms here
+            if body.get("suffix"):
+                raise bad_request("suffix is not supported", "suffix")
+            prompts = completion_prompts(body.get("prompt"))
+        prompt = body.get("prompt")
+        n_tokens_hint = len(prompt) if isinstance(prompt, list) else 0
+
+        def prepare() -> list[tuple[list[int], list[bytes]]]:
+            try:
+                if by_request is not None:
+                    all_ids = [list(ids) for ids in by_request(body)]
+                else:
+                    all_ids = [self.r.tokenize_prompt(p) for p in prompts]
+            except APIError:
+                raise
+            except Exception as e:
+                raise bad_request(f"Could not tokenize the prompt: {e}", "prompt") from None
+            return [(ids, block_hashes(ids, bs, lora=lora, cache_salt=salt)) for ids in all_ids]
+
+        heavy = size > OFFLOAD_BYTES or n_tokens_hint > OFFLOAD_TOKENS
+        prepared = await offload(prepare, heavy)
+        base = self._request_id(request)
+        rid = f"cmpl-{base}"
+        seqs = []
+        for i, (ids, hashes) in enumerate(prepared):
+            m = self._max_tokens(mt, len(ids))
+            sid = rid if len(prepared) == 1 else f"{rid}-{i}"
+            seqs.append(
+                self._make_seq(
+                    sid, ids, hashes, m, lora, salt, {"endpoint": "completions", "model": model}
+                )
+            )
+        return await self._generate(
+            request, "completions", rid, base, model, seqs, stream, include_usage
+        )
+
+    async def _generate(
+        self,
+        request: web.Request,
+        kind: str,
+        rid: str,
+        base_id: str,
+        model: str,
+        seqs: list[Seq],
+        stream: bool,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        headers = {"X-Request-Id": base_id}
+        engine = self.r.engine
+        engine.submit(seqs)
+        try:
+            if stream:
+                return await self.r.streamer.write(
+                    request,
+                    kind,
+                    rid,
+                    model,
+                    seqs,
+                    include_usage,
+                    headers,
+                    engine=engine,
+                    text=self.r.words.text,
+                    details=self.r.config.enable_prompt_tokens_details,
+                    zero=self.r.config.always_report_cached_tokens,
+                )
+            for s in seqs:
+                assert s.done is not None
+                await s.done
+        finally:
+            for s in seqs:
+                if s.state not in (FINISHED, ABORTED):
+                    engine.abort(s)
+        if any(s.state != FINISHED for s in seqs):
+            raise APIError(503, "The request was aborted: the replica is shutting down")
+        created = int(time.time())
+        details = self.r.config.enable_prompt_tokens_details
+        p = sum(s.num_prompt_tokens for s in seqs)
+        c = sum(s.max_tokens for s in seqs)
+        cached = sum(s.num_cached_tokens for s in seqs)
+        usage = make_usage(p, c, cached, details, self.r.config.always_report_cached_tokens)
+        if kind == "chat":
+            s = seqs[0]
+            resp = {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": self._text(s.output_ids),
+                            "reasoning_content": None,
+                            "tool_calls": [],
+                        },
+                        "logprobs": None,
+                        "finish_reason": s.finish_reason,
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": usage,
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            }
+        else:
+            resp = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": self._text(s.output_ids),
+                        "logprobs": None,
+                        "finish_reason": s.finish_reason,
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                    for i, s in enumerate(seqs)
+                ],
+                "usage": usage,
+                "kv_transfer_params": None,
+            }
+        return json_response(resp, headers=headers)

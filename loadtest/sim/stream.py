@@ -1,0 +1,167 @@
+"""Server-sent events for a streaming request: each token is written when it falls due in
+virtual time (``Seq.tokens_due``), one SSE event per token, as vLLM streams them."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from aiohttp import web
+
+from loadtest.sim.config import SimConfig
+from loadtest.sim.engine import ABORTED, WAITING, Engine, Seq
+from loadtest.sim.protocol import dumps, make_usage
+
+
+class Streamer:
+    """Writes one replica's streams; counts the open ones to pace them (``tick``)."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self._config = config
+        self.open = 0
+
+    def tick(self) -> float:
+        """Minimum gap between two writes of one stream after its first token: output that
+        falls due in between is written together (still one SSE event per token). Grows with
+        the number of open streams so a busy process stays cheap."""
+        if self._config.instant:
+            return 0.0
+        return min(0.05, max(0.001, 0.001 * self.open / 8))
+
+    async def write(
+        self,
+        request: web.Request,
+        kind: str,
+        rid: str,
+        model: str,
+        seqs: list[Seq],
+        include_usage: bool,
+        headers: dict[str, str],
+        *,
+        engine: Engine,
+        text: dict[int, str],
+        details: bool,
+        zero: bool,
+    ) -> web.StreamResponse:
+        """Stream ``seqs`` (already submitted to ``engine``) as ``kind`` ("chat" or
+        "completions") chunks; ``text`` maps token ids to their text; ``details`` / ``zero``
+        shape ``usage`` as in :func:`loadtest.sim.protocol.make_usage`."""
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                **headers,
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+            },
+        )
+        await resp.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        head = (
+            f'data: {{"id":{dumps(rid)},"object":"{obj}","created":{created},'
+            f'"model":{dumps(model)},"choices":[{{"index":'
+        )
+        dt = engine.dt
+        loop = asyncio.get_running_loop()
+        n = len(seqs)
+        emitted = [0] * n
+        self.open += 1
+        try:
+            while True:
+                now = loop.time()
+                parts: list[str] = []
+                next_due = math.inf
+                next_is_first = False
+                pending: list[asyncio.Future[None]] = []
+                remaining = False
+                for i, s in enumerate(seqs):
+                    m = s.max_tokens
+                    if emitted[i] >= m:
+                        continue
+                    if s.state == ABORTED:
+                        return resp  # the replica is stopping; the connection is gone
+                    if s.state == WAITING:
+                        assert s.admitted is not None
+                        pending.append(s.admitted)
+                        remaining = True
+                        continue
+                    due = s.tokens_due(now, dt)
+                    for k in range(emitted[i], due):
+                        piece = dumps(text[s.output_ids[k]])
+                        if kind == "chat":
+                            if k == 0:
+                                parts.append(
+                                    f'{head}{i},"delta":{{"role":"assistant",'
+                                    f'"content":""}},"logprobs":null,'
+                                    f'"finish_reason":null}}]}}\n\n'
+                                )
+                            tail = (
+                                '"finish_reason":"length","stop_reason":null'
+                                if k == m - 1
+                                else '"finish_reason":null'
+                            )
+                            parts.append(
+                                f'{head}{i},"delta":{{"content":{piece}}},'
+                                f'"logprobs":null,{tail}}}]}}\n\n'
+                            )
+                        else:
+                            fin = '"length"' if k == m - 1 else "null"
+                            parts.append(
+                                f'{head}{i},"text":{piece},"logprobs":null,'
+                                f'"finish_reason":{fin},"stop_reason":null}}]}}\n\n'
+                            )
+                    emitted[i] = due
+                    if due < m:
+                        remaining = True
+                        t = s.due_at(due + 1, dt)
+                        if t < next_due:
+                            next_due, next_is_first = t, due == 0
+                if parts:
+                    await resp.write("".join(parts).encode())
+                if not remaining:
+                    break
+                delay = next_due - loop.time()
+                if not next_is_first:
+                    delay = max(delay, self.tick())
+                if pending:
+                    await asyncio.wait(
+                        pending,
+                        timeout=None if next_due == math.inf else max(0.0, delay),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                elif delay > 0:
+                    await asyncio.sleep(delay)
+            # every token is out, so every sequence has finished in virtual time
+            engine.advance(max(loop.time(), max(s.finish_at for s in seqs)))
+            tail_parts = []
+            if include_usage:
+                usage = make_usage(
+                    sum(s.num_prompt_tokens for s in seqs),
+                    sum(s.max_tokens for s in seqs),
+                    sum(s.num_cached_tokens for s in seqs),
+                    details,
+                    zero,
+                )
+                if usage["prompt_tokens_details"] is None:
+                    del usage["prompt_tokens_details"]  # unset fields are omitted in streams
+                tail_parts.append(
+                    "data: "
+                    + dumps(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
+                    + "\n\n"
+                )
+            tail_parts.append("data: [DONE]\n\n")
+            await resp.write("".join(tail_parts).encode())
+            await resp.write_eof()
+        finally:
+            self.open -= 1
+        return resp
