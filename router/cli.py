@@ -175,7 +175,8 @@ def plugin_commands() -> dict[str, Command]:
     """The installed plugin commands by name; one that cannot be imported is left out (and
     ``prefix-router --help`` says how to get it)."""
     commands: dict[str, Command] = {}
-    for ep in _plugin_entry_points():
+    # By name: installed metadata and pyproject.toml need not list them in the same order.
+    for ep in sorted(_plugin_entry_points(), key=lambda ep: ep.name):
         if ep.name in DELEGATED or ep.name == "serve" or ep.name in commands:
             continue  # a plugin never shadows a built-in command
         try:

@@ -27,7 +27,7 @@ from loadtest.sim.tokens import Words, get_renderer, get_words
 from router.errors import APIError, bad_request
 from router.prompt import Renderer
 
-log = logging.getLogger("loadtest.replica")
+log = logging.getLogger("loadtest.sim")
 
 
 class SimReplica:
