@@ -8,8 +8,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from router import diagnose, explain
-from router.app import REQUEST_ID, Gateway
 from router.diagnose.live import attach
+from router.gateway import Gateway
+from router.handlers import REQUEST_ID
 
 
 def install_admin(app: web.Application, gateway: Gateway) -> None:

@@ -17,11 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
-from router.app import Gateway
 from router.blocks import cacheable_blocks
 from router.body import read_body
 from router.config import ConfigError
 from router.errors import APIError, bad_request
+from router.gateway import Gateway
 from router.offline import offline_gateway
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision

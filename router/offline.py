@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from router.app import Gateway, load_renderer
 from router.config import load_config
+from router.gateway import Gateway
+from router.loading import load_renderer
 
 
 def offline_gateway(tokenizer: str, block_size: int, config_file: str | None) -> Gateway:

@@ -113,7 +113,7 @@ def test_request_flow_map_names_modules_that_exist() -> None:
             short = name.split(".")[-1]
             assert re.search(rf"\b(def|class) {short}\b", source), (module, name)
     for qualified in re.findall(r"`Gateway\.(\w+)`", text):
-        assert re.search(rf"def {qualified}\b", (ROOT / "router" / "app.py").read_text())
+        assert re.search(rf"def {qualified}\b", (ROOT / "router" / "gateway.py").read_text())
 
 
 REPO_PATH = re.compile(r"`((?:router|loadtest|tests|tools|deploy|scripts)/[\w./-]+)`")

@@ -166,7 +166,7 @@ async def test_no_key_is_refused_before_the_body_is_read(tmp_path, fleet, gatewa
         status, rest = await _answer(reader)
         assert status == 401 and b"invalid_api_key" in rest
         writer.close()
-    assert gw.gateway._receiving_bytes == 0
+    assert gw.gateway.receiving_bytes == 0
 
 
 async def test_slow_body_times_out_and_bytes_in_flight_are_bounded(tmp_path, fleet, gateway):
@@ -184,7 +184,7 @@ async def test_slow_body_times_out_and_bytes_in_flight_are_bounded(tmp_path, fle
     slow = [await _open_body(port, 900_000, 1000, auth) for _ in range(2)]
 
     async def both_reserved() -> bool:
-        return gw.gateway._receiving_bytes == 1_800_000
+        return gw.gateway.receiving_bytes == 1_800_000
 
     await wait_for(both_reserved, what="two bodies being received")
     reader, writer = await _open_body(port, 900_000, 1000, auth)
@@ -195,7 +195,7 @@ async def test_slow_body_times_out_and_bytes_in_flight_are_bounded(tmp_path, fle
         status, rest = await _answer(reader)  # the body never completes: 408, closed
         assert status == 408 and b"body_timeout" in rest
         writer.close()
-    assert gw.gateway._receiving_bytes == 0
+    assert gw.gateway.receiving_bytes == 0
     # A body declared larger than the limit is refused on its headers alone.
     reader, writer = await _open_body(port, 5_000_000, 10, auth)
     status, rest = await _answer(reader)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.app import Gateway
 from router.diagnose.live import attach
 from router.diagnose.render import render_text
 from router.errors import bad_request
 from router.explain import check_admin
+from router.gateway import Gateway
 
 
 async def handle(gateway: Gateway, request: web.Request) -> web.Response:

@@ -15,8 +15,8 @@ from router.diagnose.render import render_text
 from router.diagnose.window import Window
 
 if TYPE_CHECKING:
-    from router.app import Gateway
     from router.forward import Outcome
+    from router.gateway import Gateway
     from router.request import RoutedRequest
     from router.schedule import Decision
 

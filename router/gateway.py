@@ -1,0 +1,422 @@
+"""The gateway: one process's fleet view, index, policy and tenancy, and the request path up to
+and after forwarding.
+
+    prepare (parse -> tenancy -> prompt -> blocks) -> decide (schedule) -> [forward] -> learn
+
+``prepare`` and ``decide`` need no HTTP request: the live handlers (router/handlers.py) and the
+explain endpoint both call them, so nothing is re-implemented for explaining. Forwarding and
+the HTTP surface live one layer up, in router/handlers.py and router/app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from router import blocks
+from router.config import Config
+from router.discovery import DnsDiscovery
+from router.errors import APIError
+from router.fleet import Fleet, Replica
+from router.fleet_mode import FleetMode
+from router.forward import Outcome, header_allow_list
+from router.index import MemoryIndex, PrefixIndex
+from router.loading import load_renderer
+from router.metrics import Metrics
+from router.outlier import OutlierPolicy
+from router.parse import parse_body
+from router.prompt import NeedsThread, Renderer
+from router.request import Endpoint, RoutedRequest
+from router.schedule import Decision, HashRing, from_config
+from router.shared_state import FleetSync
+from router.tenancy import SaltDecision, Tenancy
+from router.upstream import UpstreamPool
+
+log = logging.getLogger("prefix_router")
+
+DEFAULT_BLOCK_SIZE = 16
+APP_HEADER = "X-Prefix-Router-App"  # optional client label that diagnostics group by
+INLINE_UNCACHED_CHARS = 4096  # more new text than this is tokenized in a thread (~1 ms)
+LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a thread
+
+
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """A parsed request whose model is served and whose salt is decided."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]  # as it will be forwarded (the salt policy applied)
+    client_body: dict[str, Any]  # as the client sent it
+    model: str
+    lora: str | None
+    salt: SaltDecision
+
+
+def release_free_memory() -> None:
+    """glibc's ``malloc_trim(0)``: return freed heap pages to the OS (a no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class Gateway:
+    """One gateway process: its fleet view, index, policy and upstream session."""
+
+    def __init__(
+        self, config: Config, renderer: Renderer | None = None, index: PrefixIndex | None = None
+    ) -> None:
+        self.config = config
+        self.renderer = renderer
+        self.metrics = Metrics()
+        self.tenancy = Tenancy(config)
+        self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
+        self.ring = HashRing(virtual_nodes=config.virtual_nodes)
+        self.policy = from_config(config, self.ring)  # config.schedule + the policy flags
+        self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        self.chain_cache = blocks.ChainCache()
+        self.session: aiohttp.ClientSession | None = None
+        self.fleet: Fleet | None = None
+        self.executor = ThreadPoolExecutor(
+            max(1, config.tokenize_threads), thread_name_prefix="tokenize"
+        )
+        # The proxy path's own client (router/upstream.py); ``session`` serves the fleet's
+        # health checks and scrapes.
+        self.upstream = UpstreamPool(
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=max(config.first_byte_timeout_s, config.idle_timeout_s),
+        )
+        self.forward_allow = header_allow_list(config.auth, config.forward_headers)
+        self.draining = False
+        self._background: set[asyncio.Task[Any]] = set()
+        # Watchers of every finished request (live diagnostics, attached by the admin
+        # extension): observe(rr, decision, outcome)
+        self.observers: list[Any] = []
+        self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
+        self.discovery: DnsDiscovery | None = None  # DNS discovery of replicas, when configured
+        self._fallbacks_seen = 0
+        self.receiving_bytes = 0  # request-body bytes being received now (router/handlers.py)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        headers = (
+            {"Authorization": f"Bearer {self.config.upstream_api_key}"}
+            if self.config.upstream_api_key
+            else {}
+        )
+        self.fleet = Fleet(
+            self.config.replicas,
+            self.session,
+            health_interval_s=self.config.health_interval_s,
+            metrics_interval_s=self.config.metrics_interval_s,
+            outlier=outlier_policy(self.config),
+            first_byte_timeout_s=self.config.first_byte_timeout_s,
+            first_byte_timeout_floor_s=self.config.first_byte_timeout_floor_s,
+            first_byte_timeout_factor=self.config.first_byte_timeout_factor,
+            upstream_headers=headers,
+            on_event=self._on_fleet_event,
+        )
+        await self.fleet.start()
+        if self.config.discovery_dns:
+            self.discovery = DnsDiscovery.from_config(self.config, self._on_discovered)
+            await self.discovery.start()  # the first lookup completes before serving
+        if self.config.redis_url:
+            self.fleet_mode = FleetMode(
+                self.config, self.fleet, self.metrics, self.spawn, self.sync_ring
+            )
+            self.index = await self.fleet_mode.start()
+        self.sync_ring()
+        if self.config.block_size is None:
+            self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
+        for r in self.fleet.replicas.values():
+            await self._apply_capacity(r)
+        if self.renderer is None:
+            try:
+                self.renderer = await asyncio.get_running_loop().run_in_executor(
+                    self.executor,
+                    load_renderer,
+                    self.config.tokenizer,
+                    self.fleet.base_model(),
+                    self.config.max_prompt_chars,
+                )
+            except BaseException:
+                await self.stop()  # exit cleanly: no half-open sessions or tasks left behind
+                raise
+        log.info(
+            "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
+            len(self.fleet.replicas),
+            len(self.fleet.healthy()),
+            self.policy.name,
+            self.block_size,
+        )
+
+    async def _on_discovered(self, urls: list[str]) -> None:
+        assert self.fleet is not None
+        await self.fleet.set_urls(urls)
+        for r in self.fleet.replicas.values():
+            await self._apply_capacity(r)
+        self.sync_ring()
+
+    async def stop(self) -> None:
+        self.draining = True
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self.fleet_mode is not None:
+            await self.fleet_mode.stop()
+        if self.fleet:
+            await self.fleet.stop()
+        await self.index.close()
+        if self.fleet_mode is not None:
+            await self.fleet_mode.close()
+        if self.session:
+            await self.session.close()
+        self.upstream.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def sync_ring(self) -> None:
+        """The ring holds the replicas some gateway sees healthy (fleet mode: the same set on
+        every gateway, so cold prefixes land alike); routing still skips what this gateway
+        sees down."""
+        assert self.fleet is not None
+        members = self.fleet_mode.members if self.fleet_mode is not None else None
+        if members is None:
+            members = {r.url for r in self.fleet.healthy()}
+        self.ring.set_members(members)
+        for url, r in self.fleet.replicas.items():
+            self.metrics.replica_healthy.labels(url).set(1 if r.healthy else 0)
+
+    async def _apply_capacity(self, replica: Replica) -> None:
+        blocks_ = self.config.capacity_blocks or replica.stats.num_gpu_blocks
+        if blocks_:
+            await self.index.set_capacity(replica.url, blocks_)
+
+    async def _on_fleet_event(self, replica: Replica, event: str) -> None:
+        if event in ("removed", "restarted"):
+            await self.index.drop_replica(replica.url)
+        if event == "capacity":
+            await self._apply_capacity(replica)
+        if event == "ejected":
+            self.metrics.ejections.labels(replica.url, replica.ejection_reason or "").inc()
+        self.sync_ring()
+
+    @property
+    def sync(self) -> FleetSync | None:
+        """Fleet mode's load and membership sync (None on a standalone gateway)."""
+        return self.fleet_mode.sync if self.fleet_mode is not None else None
+
+    # -- the request path -------------------------------------------------------------------
+    async def prepare(
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        endpoint: Endpoint,
+        request_id: str,
+        tenant: str | None = None,
+    ) -> RoutedRequest:
+        """Identify the tenant, parse, apply the salt policy, tokenize and hash. Needs no
+        replica: ``prefix-router explain`` runs it offline. ``tenant``: already identified
+        (from the headers, before the body was read)."""
+        if tenant is None:
+            tenant = self.tenancy.identify(headers)
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        if len(raw) > LARGE_BODY_BYTES:
+            # Parsing, normalising and rendering a big body is pure Python: in a thread the
+            # interpreter hands the event loop the GIL every few ms, so /health and other
+            # requests keep being answered meanwhile.
+            admitted, token_ids = await loop.run_in_executor(
+                self.executor, self._admit_and_tokenize, raw, endpoint, tenant
+            )
+        else:
+            admitted = self._admit(raw, endpoint, tenant)
+            try:
+                # Cached segments cost microseconds: tokenize in place, and hand a prompt with
+                # a lot of new text to a thread (the Rust tokenizer releases the GIL there).
+                with self._renderer().inline(INLINE_UNCACHED_CHARS):
+                    token_ids = self._tokenize(admitted)
+            except NeedsThread:
+                token_ids = await loop.run_in_executor(self.executor, self._tokenize, admitted)
+        body, salt = admitted.body, admitted.salt
+        hashes = self.chain_cache.block_hashes(
+            token_ids,
+            self.block_size,
+            cache_salt=salt.salt,
+            lora=admitted.lora,
+            max_blocks=self.config.max_hashed_blocks,
+        )
+        self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        app_label = headers.get(APP_HEADER) or None
+        return RoutedRequest(
+            request_id=request_id,
+            endpoint=endpoint,
+            model=admitted.model,
+            tenant=tenant,
+            body=body,
+            stream=bool(body.get("stream", False)),
+            token_ids=token_ids,
+            block_size=self.block_size,
+            block_hashes=hashes,
+            cache_salt=salt.salt,
+            lora=admitted.lora,
+            salt_policy=salt.policy,
+            app_label=app_label[:64] if app_label else None,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            # Unchanged bodies are forwarded as the client's own bytes.
+            extras={"raw": raw if body is admitted.client_body else None},
+        )
+
+    def _renderer(self) -> Renderer:
+        assert self.renderer is not None
+        return self.renderer
+
+    def _admit(self, raw: bytes, endpoint: Endpoint, tenant: str) -> _Admitted:
+        """Parse the body, check that some replica serves its model, and decide its salt:
+        everything that comes before tokenizing. A request for a model nobody serves is
+        refused here, so it cannot be used to time the tokenizer's caches for free."""
+        body = parse_body(raw, endpoint)
+        model = body.get("model")
+        fleet = self.fleet
+        if model is None:
+            model = (fleet.base_model() if fleet else None) or ""
+        if fleet is not None:
+            self._serving(model)
+        lora = model if fleet and fleet.adapter_parent(model) else None
+        salt = self.tenancy.salt(
+            tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
+        )
+        client_body = body
+        if salt.salt != body.get("cache_salt"):
+            body = dict(body)
+            if salt.salt is None:
+                body.pop("cache_salt", None)
+            else:
+                body["cache_salt"] = salt.salt
+        return _Admitted(endpoint, body, client_body, model, lora, salt)
+
+    def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
+        renderer = self._renderer()
+        # The segment cache is scoped like the replicas' prefix caches: by the salt sent.
+        with renderer.cache_scope(admitted.salt.salt):
+            if admitted.endpoint == "chat":
+                return renderer.chat_ids(admitted.body)
+            # Honours add_special_tokens and truncation; a batch routes on its first prompt.
+            return renderer.completion_request_ids(admitted.body)[0]
+
+    def _admit_and_tokenize(
+        self, raw: bytes, endpoint: Endpoint, tenant: str
+    ) -> tuple[_Admitted, Sequence[int]]:
+        admitted = self._admit(raw, endpoint, tenant)
+        return admitted, self._tokenize(admitted)
+
+    def _serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+        """The replicas that can take a request for ``model``, or the error that says why
+        none can."""
+        assert self.fleet is not None
+        replicas = [r for r in self.fleet.serving(model) if r.url not in exclude]
+        if not replicas:
+            if not self.fleet.healthy():
+                raise APIError(503, "no healthy replica is available", code="no_replica")
+            if exclude:
+                raise APIError(
+                    502, "every replica that serves this model failed", code="upstream_failed"
+                )
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return replicas
+
+    async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        t0 = time.perf_counter()
+        replicas = self._serving(rr.model, exclude)
+        urls = [r.url for r in replicas]
+        matches = await self.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
+        decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        return decision
+
+    async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
+        """The replica failed before computing the blocks recorded for it: take back what
+        was new to it."""
+        unsent = rr.block_hashes[decision.matched_blocks :]
+        if self.fleet_mode is None:
+            await self.index.forget(decision.replica, unsent)
+        else:
+            self.spawn(self.index.forget(decision.replica, unsent))
+
+    async def record_placement(self, rr: RoutedRequest, decision: Decision) -> None:
+        """The chosen replica will hold the prompt's blocks. Runs while the request is on
+        its way (``UpstreamPool.post``), and before anything else runs on this loop."""
+        if self.fleet_mode is None:
+            await self.index.record(decision.replica, rr.block_hashes)
+        else:  # a Redis write stays off the request's critical path
+            self.spawn(self.index.record(decision.replica, rr.block_hashes))
+        self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+
+    def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        """Compare the prediction with what the replica reports, and correct the index."""
+        outcome_label = (
+            "ok"
+            if outcome.status < 400 and outcome.complete
+            else (f"http_{outcome.status}" if outcome.status >= 400 else "broken")
+        )
+        self.metrics.requests.labels(decision.replica, decision.policy, outcome_label).inc()
+        self.metrics.upstream_ttft.labels(decision.replica).observe(outcome.first_byte_s)
+        predicted = decision.matched_blocks * rr.block_size
+        self.metrics.predicted_cached_tokens.labels(rr.tenant).inc(predicted)
+        for observer in self.observers:
+            observer.observe(rr, decision, outcome)
+        if outcome.cached_tokens is None:
+            return
+        reported = outcome.cached_tokens
+        self.metrics.reported_cached_tokens.labels(rr.tenant).inc(reported)
+        self.metrics.prediction_error.observe(predicted - reported)
+        if reported == 0 and decision.matched_blocks >= 2:
+            # The replica held none of what we believed it held: its cache was lost (restart,
+            # reset) behind our back. Forget everything we believed about it but this request.
+            log.info(
+                "replica %s reported no cached tokens where %d were predicted; resetting its index",
+                decision.replica,
+                predicted,
+            )
+            self.spawn(self._reset_replica(decision.replica, rr.block_hashes))
+
+    async def _reset_replica(self, url: str, keep: list[int]) -> None:
+        await self.index.drop_replica(url)
+        if self.fleet and url in self.fleet.replicas:
+            await self._apply_capacity(self.fleet.replicas[url])
+        await self.index.record(url, keep)
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def outlier_policy(config: Config) -> OutlierPolicy:
+    return OutlierPolicy(
+        window_s=config.outlier_window_s,
+        min_requests=config.outlier_min_requests,
+        error_ratio=config.outlier_error_ratio,
+        consecutive_failures=config.eject_after_failures,
+        base_ejection_s=config.ejection_base_s,
+        max_ejection_s=config.ejection_max_s,
+        max_ejected_percent=config.max_ejected_percent,
+        decay_s=config.ejection_decay_s,
+    )

@@ -1,0 +1,328 @@
+"""The HTTP surface of one gateway: the generation routes (read the body within bounds,
+prepare, decide, forward with retries before the first byte, learn), the forwarded utility
+routes, and health, readiness and metrics.
+
+Everything here drives ``Gateway`` (router/gateway.py); nothing below this layer knows HTTP
+requests beyond what ``proxy`` relays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.body import read_body as read_request_body
+from router.errors import APIError
+from router.fleet import Replica
+from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable, proxy, request_headers
+from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
+from router.parse import parse_json_object
+from router.request import Endpoint, RoutedRequest
+from router.schedule import Decision
+from router.upstream import UpstreamPool
+
+log = logging.getLogger("prefix_router")
+
+REQUEST_ID = web.RequestKey("request_id", str)
+PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+class Handlers:
+    """The routes of one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self._fallbacks_seen = 0
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body, once the headers were authenticated: bounded in time and in the
+        bytes all requests may be sending at once, so slow or huge bodies cannot pile up."""
+        limit = self.gw.config.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise APIError(
+                413,
+                f"request body too large: {length} bytes, the limit is {limit}",
+                code="body_too_large",
+                close_connection=True,
+            )
+        reserve = length if length is not None else limit
+        if self.gw.receiving_bytes + reserve > self.gw.config.max_inflight_body_bytes:
+            self.gw.metrics.rejected.labels("inflight_bytes").inc()
+            raise APIError(
+                503,
+                "the gateway is receiving too many request bytes at once; retry shortly",
+                code="overloaded",
+                close_connection=True,
+            )
+        self.gw.receiving_bytes += reserve
+        try:
+            async with asyncio.timeout(self.gw.config.body_timeout_s):
+                return await read_request_body(request, limit)
+        except TimeoutError:
+            self.gw.metrics.rejected.labels("body_timeout").inc()
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.gw.config.body_timeout_s:g} s",
+                code="body_timeout",
+                close_connection=True,
+            ) from None
+        finally:
+            self.gw.receiving_bytes -= reserve
+
+    async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        request_id = request[REQUEST_ID]
+        tenant = self.gw.tenancy.identify(request.headers)  # before reading a byte of the body
+        raw = await self.read_body(request)
+        try:
+            rr = await self.gw.prepare(raw, request.headers, endpoint, request_id, tenant)
+            return await self._route(request, rr)
+        finally:
+            if len(raw) > LARGE_BODY_BYTES:
+                self.gw.spawn(self._trim_heap())
+
+    async def _trim_heap(self) -> None:
+        """Hand the memory a large request used back to the OS (glibc keeps freed arenas)."""
+        await asyncio.get_running_loop().run_in_executor(self.gw.executor, release_free_memory)
+
+    async def _route(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
+        request_id = rr.request_id
+        assert self.gw.fleet is not None
+        raw = rr.extras.get("raw")
+        body = raw if raw is not None else json.dumps(rr.body).encode()
+        headers = request_headers(
+            request.headers,
+            request_id,
+            self.gw.config.upstream_api_key,
+            forward_authorization=not self.gw.config.auth,
+            allow=self.gw.forward_allow,
+        )
+        self.gw.metrics.tenant_requests.labels(rr.tenant).inc()
+        self.gw.metrics.prompt_tokens.labels(rr.tenant).inc(rr.num_tokens)
+        tried: set[str] = set()
+        while True:
+            decision = await self.gw.decide(rr, frozenset(tried))
+            replica = self.gw.fleet.replicas[decision.replica]
+            self.gw.policy.placed(decision)
+            extra = {"x-request-id": request_id}
+            if self.gw.config.decision_headers:
+                extra["x-prefix-router-replica"] = replica.url
+                extra["x-prefix-router-cached-blocks"] = str(decision.matched_blocks)
+            try:
+                resp, outcome = await self._send(
+                    request, rr, replica, decision, body, headers, extra
+                )
+            except UpstreamUnavailable as e:
+                tried.add(replica.url)
+                await self.gw.forget_unsent(rr, decision)
+                self.gw.metrics.retries.labels(replica.url, e.why).inc()
+                self.gw.metrics.requests.labels(replica.url, decision.policy, "unavailable").inc()
+                await self.gw.fleet.record_failure(replica, e.why)
+                self.gw.sync_ring()
+                if len(tried) > self.gw.config.max_retries:
+                    raise APIError(
+                        502,
+                        f"upstream replica unavailable ({e.why}) after {len(tried)} attempts",
+                        code="upstream_unavailable",
+                    ) from e
+                log.info(
+                    "request %s: %s failed before the first byte (%s); retrying",
+                    request_id,
+                    replica.url,
+                    e.why,
+                )
+                continue
+            await self.gw.fleet.record_response(
+                replica,
+                outcome.status,
+                stream=rr.stream,
+                first_byte_s=outcome.first_byte_s,
+                completion_tokens=outcome.completion_tokens,
+            )
+            # After the response is written (the next loop turn, before any new request).
+            asyncio.get_running_loop().call_soon(self.gw.learn, rr, decision, outcome)
+            return resp
+
+    async def _send(
+        self,
+        request: web.Request,
+        rr: RoutedRequest,
+        replica: Replica,
+        decision: Decision,
+        body: bytes,
+        headers: Any,
+        extra: dict[str, str],
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """Forward with load accounting: in flight until done, pending prefill until the
+        first byte."""
+        uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
+        replica.inflight += 1
+        replica.pending_requests += 1
+        replica.pending_prefill_tokens += uncached
+        gauge = self.gw.metrics.inflight.labels(replica.url)
+        gauge.inc()
+        pending = True
+
+        def first_byte() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                replica.pending_requests -= 1
+                replica.pending_prefill_tokens -= uncached
+
+        assert self.gw.fleet is not None
+        tokens, n = rr.max_tokens, rr.body.get("n")
+        if tokens is not None and type(n) is int and n > 1:
+            tokens *= n  # completion_tokens counts every choice
+        timeout = self.gw.fleet.first_byte_timeout(replica, rr.stream, tokens)
+        try:
+            url = replica.url + PATHS[rr.endpoint]
+            return await proxy(
+                cast(UpstreamPool, _HeadersWithin(self.gw.upstream, timeout)),
+                request,
+                url,
+                body,
+                headers,
+                extra,
+                on_first_byte=first_byte,
+                on_sent=lambda: self.gw.record_placement(rr, decision),
+                stream_error=STREAM_ERROR_SHAPES[rr.endpoint],
+            )
+        except asyncio.CancelledError:
+            self.gw.metrics.client_disconnects.inc()
+            self.gw.metrics.requests.labels(replica.url, decision.policy, "client_gone").inc()
+            raise
+        finally:
+            first_byte()
+            replica.inflight -= 1
+            gauge.dec()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.route(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.route(request, "completions")
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.gw.tenancy.identify(request.headers)  # same auth as generation
+        assert self.gw.fleet is not None
+        cards = sorted(self.gw.fleet.models().values(), key=lambda c: str(c.get("id")))
+        return web.json_response({"object": "list", "data": cards})
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
+        self.gw.tenancy.identify(request.headers)
+        assert self.gw.fleet is not None
+        raw = await self.read_body(request)
+        parse_json_object(raw)
+        headers = request_headers(
+            request.headers,
+            request[REQUEST_ID],
+            self.gw.config.upstream_api_key,
+            not self.gw.config.auth,
+            self.gw.forward_allow,
+        )
+        tried: set[str] = set()
+        for _ in range(self.gw.config.max_retries + 1):
+            replicas = [r for r in self.gw.fleet.healthy() if r.url not in tried]
+            if not replicas:
+                break
+            replica = min(replicas, key=lambda r: (r.inflight, r.url))
+            try:
+                resp, _ = await proxy(
+                    self.gw.upstream,
+                    request,
+                    replica.url + request.path,
+                    raw,
+                    headers,
+                    {"x-request-id": request[REQUEST_ID]},
+                )
+                return resp
+            except UpstreamUnavailable as e:
+                tried.add(replica.url)
+                await self.gw.fleet.record_failure(replica, e.why)
+        raise APIError(503, "no healthy replica is available", code="no_replica")
+
+    def _check_admin(self, request: web.Request) -> None:
+        """The admin key, as ``X-Admin-Key`` or as a bearer token (what Prometheus'
+        ``authorization`` scrape setting sends)."""
+        key = self.gw.config.admin_key
+        given = request.headers.get("X-Admin-Key", "")
+        scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+        if not given and scheme.lower() == "bearer":
+            given = bearer.strip()
+        if not key or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                401,
+                "with auth on, /metrics needs the admin key (X-Admin-Key or Authorization: "
+                "Bearer), or scrape the metrics_port listener",
+                code="invalid_admin_key",
+            )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        assert self.gw.fleet is not None
+        healthy = len(self.gw.fleet.healthy())
+        ok = healthy > 0 and not self.gw.draining
+        return web.json_response(
+            {
+                "ready": ok,
+                "healthy_replicas": healthy,
+                "replicas": len(self.gw.fleet.replicas),
+                "draining": self.gw.draining,
+            },
+            status=200 if ok else 503,
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if self.gw.config.auth:
+            # Tenant names, per-tenant counts and replica URLs are not for every API key:
+            # the admin key, or the separate metrics_port (a scrape-only listener).
+            self._check_admin(request)
+        return self.prometheus_text()
+
+    async def prometheus_unauthenticated(self, request: web.Request) -> web.Response:
+        return self.prometheus_text()
+
+    def prometheus_text(self) -> web.Response:
+        if self.gw.fleet:
+            for url in self.gw.fleet.replicas:
+                self.gw.metrics.index_blocks.labels(url).set(self.gw.index.size(url))
+        fallbacks = getattr(self.gw.index, "fallbacks", 0)
+        if fallbacks > self._fallbacks_seen:
+            self.gw.metrics.redis_fallbacks.inc(fallbacks - self._fallbacks_seen)
+            self._fallbacks_seen = fallbacks
+        return web.Response(
+            body=generate_latest(self.gw.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+class _HeadersWithin:
+    """The upstream pool as ``proxy`` sees it for one request: its wait for response
+    headers bounded by ``timeout`` (what ``Fleet.first_byte_timeout`` derived)."""
+
+    __slots__ = ("pool", "timeout")
+
+    def __init__(self, pool: UpstreamPool, timeout: float | None) -> None:
+        self.pool = pool
+        self.timeout = timeout
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        on_sent: Any = None,
+    ) -> Any:
+        return await self.pool.post(url, body, headers, on_sent, timeout=self.timeout)

@@ -1,0 +1,54 @@
+"""Loading the tokenizer the gateway renders with: local files only, one clear line when it
+cannot be loaded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from router.prompt import Renderer
+
+
+def _model_vocab_size(name: str) -> int:
+    """Token ids a completions prompt may carry: the model's ``vocab_size`` from a
+    ``config.json`` beside the tokenizer (it is larger than the tokenizer's own vocabulary,
+    e.g. 151,936 vs 151,669 for Qwen3), else anything a uint32 holds: the replica judges."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return int(json.loads((Path(name) / "config.json").read_text())["vocab_size"])
+    return 2**32 - 1
+
+
+def load_renderer(
+    tokenizer: str | None, reported_model: str | None, max_prompt_chars: int = 4_000_000
+) -> Renderer:
+    name = tokenizer or reported_model
+    if not name:
+        raise SystemExit(
+            "prefix-router: no --tokenizer given and no replica reported a model "
+            "in /v1/models; pass --tokenizer PATH_OR_MODEL_ID"
+        )
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+        raise SystemExit(f"prefix-router: tokenizer directory {name!r} does not exist")
+    try:
+        from transformers import AutoTokenizer
+
+        # Local files only: the request path must never wait on a model hub, and offline a
+        # hub lookup only retries for half a minute before failing anyway.
+        return Renderer(
+            AutoTokenizer.from_pretrained(name, local_files_only=True),
+            vocab_size=_model_vocab_size(name),
+            max_prompt_chars=max_prompt_chars,
+        )
+    except Exception as e:  # transformers raises OSError, ValueError, HF errors...
+        hint = (
+            ""
+            if tokenizer
+            else " (the model the replicas report; pass --tokenizer to choose another)"
+        )
+        raise SystemExit(
+            f"prefix-router: cannot load tokenizer {name!r}{hint}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+            "Point --tokenizer at a local directory with tokenizer.json and "
+            "tokenizer_config.json, or fetch the model into the Hugging Face cache first."
+        ) from None
