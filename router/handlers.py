@@ -35,6 +35,12 @@ REQUEST_ID = web.RequestKey("request_id", str)
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
+def why_label(why: str) -> str:
+    """A failure's kind for a metric label: ``bad response: <parser text>`` -> ``bad response``,
+    so label values stay a small, fixed set."""
+    return why.split(":", 1)[0][:40]
+
+
 class Handlers:
     """The routes of one gateway."""
 
@@ -123,7 +129,7 @@ class Handlers:
             except UpstreamUnavailable as e:
                 tried.add(replica.url)
                 await self.gw.forget_unsent(rr, decision)
-                self.gw.metrics.retries.labels(replica.url, e.why).inc()
+                self.gw.metrics.retries.labels(replica.url, why_label(e.why)).inc()
                 self.gw.metrics.requests.labels(replica.url, decision.policy, "unavailable").inc()
                 await self.gw.fleet.record_failure(replica, e.why)
                 self.gw.sync_ring()
