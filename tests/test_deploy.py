@@ -557,6 +557,10 @@ def test_kustomization_lists_every_manifest() -> None:
     assert kust.get("namespace", "default") == "default"
 
 
+def pod_template_annotations(dep: dict[str, Any]) -> dict[str, str]:
+    return dict(dep["spec"]["template"]["metadata"].get("annotations") or {})
+
+
 def test_gateway_deployment() -> None:
     dep, pod, ctr = gateway()
     assert dep["spec"]["replicas"] >= 2
@@ -567,6 +571,10 @@ def test_gateway_deployment() -> None:
         assert ctr[probe]["httpGet"]["port"] in port_names
     cfg = gateway_config()
     assert port_names["http"] == cfg["port"]
+    # Auth is on, so Prometheus scrapes the key-less metrics-only listener.
+    assert cfg["auth"] is True and port_names["metrics"] == cfg["metrics_port"]
+    annotations = pod_template_annotations(dep)
+    assert int(annotations["prometheus.io/port"]) == cfg["metrics_port"]
     pre_stop = ctr["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] > int(pre_stop[1]) + cfg["shutdown_grace_s"]

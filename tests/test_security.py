@@ -279,3 +279,31 @@ async def test_internal_error_logs_one_line(fleet, gateway, caplog, monkeypatch)
     assert len(failed) == 1 and failed[0].exc_info is None
     assert "RecursionError" in failed[0].getMessage()
     assert len(failed[0].getMessage()) < 400
+
+
+async def test_metrics_port_serves_metrics_without_a_key(tmp_path, fleet, gateway):
+    """With auth on, /metrics on the main port is the admin's; the metrics_port listener is
+    for a port only Prometheus reaches, and serves the same registry without a key."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    replicas = await fleet(1)
+    gw = await gateway(
+        [replicas[0].url],
+        auth=True,
+        api_keys_file=str(keys_file(tmp_path / "k.yaml")),
+        metrics_port=metrics_port,
+    )
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, gw.url + "/v1/chat/completions", chat_body("hi"), bearer("acme")))[
+            0
+        ] == 200
+        async with s.get(gw.url + "/metrics") as resp:
+            assert resp.status == 401
+        async with s.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+            assert resp.status == 200
+            assert 'prefix_router_tenant_requests_total{tenant="acme"}' in await resp.text()
+        async with s.get(f"http://127.0.0.1:{metrics_port}/health") as resp:
+            assert resp.status == 404  # metrics only
