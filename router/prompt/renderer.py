@@ -45,7 +45,8 @@ class Renderer:
       trust_request_mm_kwargs: the replicas' ``--trust-request-mm-kwargs``.
 
     ``self.segment_cache`` is True when the fast path is in use (requested and safe for this
-    tokenizer); ``cache_info()`` has its counters.
+    tokenizer); ``cache_info()`` has its counters. The options are fixed at construction (the
+    stages hold them), so their attributes here are read-only.
     """
 
     def __init__(

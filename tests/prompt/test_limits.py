@@ -29,11 +29,6 @@ def test_truncation_defaults_to_left() -> None:
     assert tokens(right) == full[:4]
 
 
-# ============================================================================================
-# Budgets and limits
-# ============================================================================================
-
-
 def test_token_budget_guard() -> None:
     small = Renderer(tokenizer(), max_prompt_chars=1000)
     assert small.tokenize_chat({"messages": [user("x" * 100)]})

@@ -21,10 +21,6 @@ from tests.prompt.common import (
     user,
 )
 
-# ============================================================================================
-# Segment cache
-# ============================================================================================
-
 
 def test_qwen3_added_tokens_allow_segment_split() -> None:
     backend = tokenizer().backend_tokenizer
