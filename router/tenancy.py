@@ -42,6 +42,7 @@ import yaml
 
 from router.config import Config, ConfigError
 from router.errors import APIError, bad_request
+from router.salt import validate_cache_salt
 
 log = logging.getLogger("prefix_router.tenancy")
 
@@ -50,17 +51,6 @@ POLICIES = ("none", "tenant", "tenant+client", "reject", "passthrough")
 # A secret's epoch label goes into every salt, so it must keep the salt valid for vLLM.
 _EPOCH_RE = re.compile(r"[A-Za-z0-9._-]{1,32}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-
-
-def validate_salt(salt: object) -> str:
-    """vLLM's rule: a non-empty string of at most 128 characters without ``@ / \\`` or NUL."""
-    if not isinstance(salt, str) or not salt:
-        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
-    if len(salt) > 128:
-        raise bad_request("cache_salt must be at most 128 characters", "cache_salt")
-    if any(ch in salt for ch in "@/\\\x00"):
-        raise bad_request("cache_salt must not contain '@', '/', '\\' or NUL", "cache_salt")
-    return salt
 
 
 def key_digest(key: str) -> str:
@@ -398,7 +388,7 @@ class Tenancy:
     ) -> SaltDecision:
         policy = self.policy_of(tenant)
         if client_salt is not None:
-            validate_salt(client_salt)
+            validate_cache_salt(client_salt)  # vLLM's rule, so a bad salt is ours to reject
         name = policy.salt_policy
         if name == "passthrough":
             return SaltDecision(client_salt if isinstance(client_salt, str) else None, name)
@@ -432,4 +422,4 @@ class Tenancy:
         return None
 
 
-__all__ = ["DEFAULT_TENANT", "POLICIES", "SaltDecision", "Tenancy", "validate_salt"]
+__all__ = ["DEFAULT_TENANT", "POLICIES", "SaltDecision", "Tenancy"]

@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from router.config import ConfigError, load_config
-from router.tenancy import Tenancy, validate_salt
+from router.salt import validate_cache_salt
+from router.tenancy import Tenancy
 from tests.helpers import LONG_SYSTEM, chat_body, post, wait_for
 
 BLOCKS_HDR = "x-prefix-router-cached-blocks"
@@ -136,7 +137,7 @@ async def test_identical_prompts_never_share_across_tenants(tmp_path, fleet, gat
         assert (await c.chat(body, "acme"))[0] > 0  # globex did not disturb acme's scope
     assert acme_salt and globex_salt and acme_salt != globex_salt
     for salt in (acme_salt, globex_salt):
-        validate_salt(salt)
+        validate_cache_salt(salt)
         assert salt.startswith("pra-") and len(salt) <= 128
     # The gateway's own decision is what the replica got (and hashed with, see Client.chat).
     messages = body["messages"]

@@ -4,8 +4,8 @@
 Runs the CPU-only vLLM oracle (shared/tools/vllm_oracle: vLLM's own OnlineRenderer on the CPU)
 on the request bodies in CASES and records, for each, the prompt token ids vLLM produces (and
 its sha256 block hashes for block size 16), or the error vLLM rejects the body with.
-tests/test_prompt.py checks router.prompt.Renderer against the file in the default test run;
-tests/test_conformance.py re-runs the oracle live (opt-in).
+tests/prompt/test_oracle.py checks router.prompt.Renderer against the file in the default test
+run; tests/test_conformance.py re-runs the oracle live (opt-in).
 
     python tools/make_oracle_fixtures.py                    # oracle in $PREFIX_ROUTER_ORACLE
     python tools/make_oracle_fixtures.py --oracle ~/.cache/prefix-eval/vllm-oracle

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from router.errors import bad_request
-from router.prompt import validate_cache_salt
+from router.salt import validate_cache_salt
 
 _T = TypeVar("_T")
 

@@ -1,0 +1,272 @@
+"""The segment-cache tokenizer: a prompt's ids as the concatenation of its segments' ids.
+
+Hugging Face tokenizers cut the text at added tokens (``<|im_start|>``, ...) before
+normalising and running BPE, so a rendered prompt's ids are the concatenation of each
+segment's ids. The ids of each segment are kept in an LRU keyed by the XXH3-128 of its UTF-8
+bytes, seeded by the request's cache-salt scope (``cache_scope``), and bounded by the number
+of cached tokens, so a repeated 3,000-token system prompt costs a hash and a dict lookup. The
+split is only used when it is provably equivalent for the tokenizer (see ``_split_safe``);
+otherwise the whole text is encoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import xxhash
+
+from router.prompt.fields import TokenIds, error
+
+log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it used to be
+
+DEFAULT_SEGMENT_CACHE_TOKENS = 2_000_000
+"""Token budget of the segment cache (ids are stored as 4-byte ints: ~8 MB plus per-entry
+overhead)."""
+
+
+class NeedsThread(Exception):
+    """Raised inside ``Renderer.inline(...)`` when the prompt has more uncached text than the
+    inline budget: the caller should tokenize it in a worker thread instead."""
+
+
+# Per-thread (per-context) budget of uncached characters to BPE-encode inline; None = any.
+_INLINE_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "prefix_router_inline_budget", default=None
+)
+# Seed of the segment-cache keys in this context: the request's cache-salt scope (0 = the
+# unsalted scope). A hit is fast and a miss is slow, so a cache shared across scopes would
+# let one tenant time whether another recently sent a text; keys seeded by the scope keep
+# the scopes as far apart as the replicas' salted prefix caches are.
+_CACHE_SCOPE: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "prefix_router_cache_scope", default=0
+)
+
+
+def cache_scope_seed(cache_salt: str | None) -> int:
+    """The segment-cache seed of requests sent with ``cache_salt`` (0 when unsalted)."""
+    if not cache_salt:
+        return 0
+    return xxhash.xxh3_64_intdigest(cache_salt.encode("utf-8", "surrogatepass")) or 1
+
+
+@contextlib.contextmanager
+def inline(max_uncached_chars: int) -> Iterator[None]:
+    """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
+    than ``max_uncached_chars`` of uncached text, so an event loop can tokenize a cached
+    prompt in place (microseconds) and hand only real work to a thread."""
+    token = _INLINE_BUDGET.set(max_uncached_chars)
+    try:
+        yield
+    finally:
+        _INLINE_BUDGET.reset(token)
+
+
+@contextlib.contextmanager
+def cache_scope(cache_salt: str | None) -> Iterator[None]:
+    """Within this block, segment-cache entries are those of the ``cache_salt`` scope:
+    text cached under another salt is a miss here, exactly as on a replica."""
+    token = _CACHE_SCOPE.set(cache_scope_seed(cache_salt))
+    try:
+        yield
+    finally:
+        _CACHE_SCOPE.reset(token)
+
+
+class SegmentTokenizer:
+    """``tokenizer.encode`` through the segment cache when it is on and provably equivalent
+    (``enabled``), else the tokenizer itself. Thread-safe: the LRU is shared by threads."""
+
+    def __init__(self, tokenizer: Any, *, segment_cache: bool, max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(
+            tokenizer, "_tokenizer", None
+        )
+        self.cache: OrderedDict[int, array[int]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.cache_tokens = 0
+        self.max_tokens = int(max_tokens)
+        self.hits = 0
+        self.misses = 0
+        self._added: dict[str, int] = {}
+        self._split_re: re.Pattern[str] | None = None
+        self._special_adds_nothing = False
+        self.requested = segment_cache
+        reason = self._split_safe() if segment_cache else "disabled"
+        self.enabled = reason is None
+        if segment_cache and reason is not None:
+            log.warning("segment cache disabled for this tokenizer: %s", reason)
+
+    def encode(self, text: str, add_special_tokens: bool) -> TokenIds:
+        if self.enabled and (not add_special_tokens or self._special_adds_nothing):
+            return self._encode_split(text, use_cache=True)
+        return self._encode_whole(text, add_special_tokens)
+
+    def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:  # lone surrogates cannot be turned into UTF-8
+            raise error("the prompt is not valid Unicode text") from None
+
+    def _split_safe(self) -> str | None:
+        """None if tokenizing segment by segment is exactly the whole-text tokenization for
+        this tokenizer, else the reason it is not."""
+        backend = self._backend
+        if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+            return "not a fast (Rust) tokenizer"
+        for tid, tok in backend.get_added_tokens_decoder().items():
+            if tok.lstrip or tok.rstrip or tok.single_word or tok.normalized:
+                return f"added token {tok.content!r} has lstrip/rstrip/single_word/normalized"
+            if not tok.content:
+                return "empty added token"
+            self._added[tok.content] = tid
+        if getattr(self.tokenizer, "split_special_tokens", False):
+            return "split_special_tokens is set"
+        spec: dict[str, Any] = {}
+        try:
+            for key in ("normalizer", "pre_tokenizer"):
+                component = getattr(backend, key, None)
+                spec[key] = None if component is None else json.loads(component.__getstate__())
+        except Exception:
+            return "cannot inspect the tokenizer"
+
+        # Pre-tokenizers/normalizers that look at where the *whole* text starts (a prefix
+        # space, Metaspace "first") would treat each segment as a start.
+        def walk(node: Any) -> Iterator[Any]:
+            if isinstance(node, dict):
+                yield node
+                for v in node.values():
+                    yield from walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    yield from walk(v)
+
+        for key in ("normalizer", "pre_tokenizer"):
+            for node in walk(spec.get(key)):
+                if node.get("add_prefix_space") or node.get("prepend_scheme") not in (
+                    None,
+                    "never",
+                ):
+                    return f"{key} depends on the start of the text"
+                if node.get("type") in ("Prepend",):
+                    return f"{key} prepends text"
+        if not self._added:
+            return "no added tokens to split on"
+        alternatives = sorted(self._added, key=len, reverse=True)  # leftmost-longest
+        self._split_re = re.compile("|".join(re.escape(t) for t in alternatives))
+        # add_special_tokens=True can use the segment path only if it adds nothing.
+        probe = "a<|probe|> b\n"
+        self._special_adds_nothing = (
+            backend.encode(probe, add_special_tokens=True).ids
+            == backend.encode(probe, add_special_tokens=False).ids
+        )
+        # Self-check on text that crosses every kind of boundary.
+        sample = "".join(f"x {t}\n {t}é\u0301 " for t in alternatives) + "  end"
+        if list(self._encode_split(sample, use_cache=False)) != list(
+            backend.encode(sample, add_special_tokens=False).ids
+        ):
+            return "segment tokenization differs from whole-text tokenization"
+        return None
+
+    def _encode_split(self, text: str, *, use_cache: bool) -> array[int]:
+        assert self._split_re is not None and self._backend is not None
+        added = self._added
+        pieces: list[str | int] = []  # segment text, or an added token's id
+        pos = 0
+        for m in self._split_re.finditer(text):
+            if m.start() > pos:
+                pieces.append(text[pos : m.start()])
+            pieces.append(added[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            pieces.append(text[pos:])
+        keys: list[int] = []
+        found: dict[int, Sequence[int]] = {}
+        missing: dict[int, str] = {}
+        cache = self.cache
+        seed = _CACHE_SCOPE.get()
+        for p in pieces:
+            if isinstance(p, int):
+                continue
+            try:
+                key = xxhash.xxh3_128_intdigest(p.encode("utf-8"), seed)
+            except UnicodeEncodeError:
+                raise error("the prompt is not valid Unicode text") from None
+            keys.append(key)
+            if key in found or key in missing:
+                continue
+            hit = cache.get(key) if use_cache else None
+            if hit is not None:
+                found[key] = hit
+            else:
+                missing[key] = p
+        if use_cache and found:
+            with self._cache_lock:
+                for key in found:
+                    if key in cache:
+                        cache.move_to_end(key)
+                self.hits += len(found)
+        if missing:
+            budget = _INLINE_BUDGET.get()
+            if budget is not None and sum(map(len, missing.values())) > budget:
+                raise NeedsThread
+            segs = list(missing.values())
+            encs = (
+                self._backend.encode_batch_fast(segs, add_special_tokens=False)
+                if len(segs) > 1
+                else [self._backend.encode(segs[0], add_special_tokens=False)]
+            )
+            for key, enc in zip(missing, encs, strict=True):
+                ids = enc.ids
+                found[key] = ids
+                if use_cache:
+                    self._put(key, ids)
+            if use_cache:
+                self.misses += len(missing)
+        out = array("I")  # cached segments are arrays: extending copies memory, not ints
+        k = 0
+        for p in pieces:
+            if isinstance(p, int):
+                out.append(p)
+            else:
+                out.extend(found[keys[k]])
+                k += 1
+        return out  # an array all the way to block hashing: no Python int per token
+
+    def _put(self, key: int, ids: list[int]) -> None:
+        n = len(ids)
+        if n == 0 or n > self.max_tokens // 4:  # one segment may not flush the cache
+            return
+        stored = array("I", ids)
+        with self._cache_lock:
+            old = self.cache.pop(key, None)
+            if old is not None:
+                self.cache_tokens -= len(old)
+            self.cache[key] = stored
+            self.cache_tokens += n
+            while self.cache_tokens > self.max_tokens and self.cache:
+                _, evicted = self.cache.popitem(last=False)
+                self.cache_tokens -= len(evicted)
+
+    def info(self) -> dict[str, int]:
+        """Segment-cache counters (entries, cached tokens, budget, hits, misses)."""
+        return {
+            "entries": len(self.cache),
+            "tokens": self.cache_tokens,
+            "max_tokens": self.max_tokens,
+            "hits": self.hits,
+            "misses": self.misses,
+        }
+
+    def clear(self) -> None:
+        with self._cache_lock:
+            self.cache.clear()
+            self.cache_tokens = 0
