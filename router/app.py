@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import blocks
 from router.body import read_body as read_request_body
+from router.bundled import tokenizer_for_model
 from router.config import Config
 from router.errors import APIError, bad_request
 from router.fleet import Fleet, Replica
@@ -840,7 +841,10 @@ def _model_vocab_size(name: str) -> int:
 def load_renderer(
     tokenizer: str | None, reported_model: str | None, max_prompt_chars: int = 4_000_000
 ) -> Renderer:
-    name = tokenizer or reported_model
+    bundled = None if tokenizer else tokenizer_for_model(reported_model)
+    if bundled is not None:
+        log.info("tokenizer: the bundled one for %s (%s)", reported_model, bundled)
+    name = tokenizer or (str(bundled) if bundled else reported_model)
     if not name:
         raise SystemExit(
             "prefix-router: no --tokenizer given and no replica reported a model "
@@ -866,8 +870,8 @@ def load_renderer(
         )
         raise SystemExit(
             f"prefix-router: cannot load tokenizer {name!r}{hint}: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-            "Point --tokenizer at a local directory with tokenizer.json and "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "point --tokenizer at a local directory with tokenizer.json and "
             "tokenizer_config.json, or fetch the model into the Hugging Face cache first."
         ) from None
 
