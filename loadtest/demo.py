@@ -134,7 +134,7 @@ async def _run(a: argparse.Namespace) -> int:
 
 
 DESCRIPTION = """\
-The gateway against round robin, on simulated replicas, in about a minute. For each policy:
+The gateway against round robin, on simulated replicas, in a minute or two. For each policy:
 fresh simulated vLLM replicas on loopback, the same multi-tenant chat workload (same seed),
 then the fleet prefix-cache hit rate (read from the replicas' own counters), the ideal one,
 TTFT and balance side by side. No GPU, no network, no model download."""

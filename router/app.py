@@ -847,8 +847,9 @@ def load_renderer(
     name = tokenizer or (str(bundled) if bundled else reported_model)
     if not name:
         raise SystemExit(
-            "prefix-router: no --tokenizer given and no replica reported a model "
-            "in /v1/models; pass --tokenizer PATH_OR_MODEL_ID"
+            "prefix-router: no --tokenizer given and no replica answered /v1/models with a "
+            "model (is one up yet?); start the gateway once a replica is ready, or pass "
+            "--tokenizer PATH_OR_MODEL_ID"
         )
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
         raise SystemExit(f"prefix-router: tokenizer directory {name!r} does not exist")
