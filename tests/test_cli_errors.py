@@ -180,3 +180,20 @@ def test_help_names_the_real_programs_and_no_markup(capsys: pytest.CaptureFixtur
             assert "client-side until" not in out
         if argv[0] == "serve":
             assert "32 MiB" in out
+
+
+def test_loadtest_runs_without_the_pytorch_notice(tmp_path: Path) -> None:
+    """transformers announces on import that PyTorch is absent; the tools only tokenize."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRANSFORMERS_VERBOSITY", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "loadtest", "run", "--workload", "preamble", "--sim", "1"]
+        + ["--sim-instant", "--max-requests", "2", "--quiet", "--no-ideal"]
+        + ["--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "PyTorch" not in res.stderr, res.stderr
