@@ -1,29 +1,4 @@
-"""``python -m loadtest`` (also ``prefix-router loadtest``): run, compare, sim.
-
-Examples::
-
-    # a gateway in front of three replicas (their /metrics give the fleet hit rate)
-    python -m loadtest run --workload multi_tenant --gateway http://127.0.0.1:8000 \\
-        --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \\
-        --replica http://127.0.0.1:8003 --max-seconds 60 --out reports/mt
-
-    # the same replicas addressed directly, client-side round robin
-    python -m loadtest run --workload multi_tenant --policy round_robin \\
-        --replica http://127.0.0.1:8001,http://127.0.0.1:8002,http://127.0.0.1:8003
-
-    # fresh simulated replicas per policy, same workload and seed through each
-    python -m loadtest compare --workload preamble --position all --policies round_robin \\
-        --sim 3 --out reports/preamble
-    python -m loadtest compare --workload trace --policies round_robin,random --sim 4 \\
-        --time-scale 20 --max-requests 400
-
-    # existing targets (share one set of replicas: later runs start warm)
-    python -m loadtest compare --workload multi_tenant \\
-        --targets gw=http://127.0.0.1:8000,rr=replicas:round_robin --replica URL ...
-
-    # start simulated replicas and keep them up (python -m loadtest.replica)
-    python -m loadtest sim --port 9001 --count 3
-"""
+"""``prefix-router loadtest``: run, compare, sim (the examples are its --help epilog)."""
 
 from __future__ import annotations
 
@@ -48,10 +23,40 @@ from loadtest.runner import (
     run_workload,
     start_target,
 )
+from router.usage import (
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    at_least,
+    check_file,
+    positive,
+)
 
+EXAMPLES = """\
+examples:
 
-class UsageError(Exception):
-    pass
+    # a gateway in front of three replicas (their /metrics give the fleet hit rate)
+    prefix-router loadtest run --workload multi_tenant --gateway http://127.0.0.1:8000 \\
+        --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \\
+        --replica http://127.0.0.1:8003 --max-seconds 60 --out reports/mt
+
+    # the same replicas addressed directly, client-side round robin
+    prefix-router loadtest run --workload multi_tenant --policy round_robin \\
+        --replica http://127.0.0.1:8001,http://127.0.0.1:8002,http://127.0.0.1:8003
+
+    # fresh simulated replicas per policy, same workload and seed through each gateway
+    prefix-router loadtest compare --workload preamble --position all --policies round_robin \\
+        --sim 3 --out reports/preamble
+    prefix-router loadtest compare --workload trace --policies ttft,round_robin --sim 4 \\
+        --time-scale 20 --max-requests 400
+
+    # existing targets (share one set of replicas: later runs start warm)
+    prefix-router loadtest compare --workload multi_tenant \\
+        --targets gw=http://127.0.0.1:8000,rr=replicas:round_robin --replica URL ...
+
+    # start simulated replicas and keep them up (same as prefix-router replica)
+    prefix-router loadtest sim --port 9001 --count 3
+"""
 
 
 def _split(values: Sequence[str] | None) -> list[str]:
@@ -170,16 +175,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest",
+    parser = OneLineParser(
+        prog="prefix-router loadtest",
         description="Load tests for prefix-router: workloads, trace "
         "replay, fleet hit rate from the replicas' counters vs the ideal, TTFT, balance.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=EXAMPLES,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run one workload against one target")
+    run = sub.add_parser(
+        "run", help="run one workload against one target", formatter_class=HelpFormatter
+    )
     _add_common(run)
     t = run.add_argument_group("target")
     t.add_argument(
@@ -206,15 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="run the same workload and seed through several "
         "targets or policies; one table, one set of plots",
+        formatter_class=HelpFormatter,
     )
     _add_common(cmp_)
     t = cmp_.add_argument_group("targets")
     t.add_argument(
         "--policies",
         default=None,
-        help="comma list; each gets fresh replicas (--sim N) and a fresh target: "
-        "round_robin, random (client-side until the in-process gateway is wired), "
-        f"client:round_robin, client:random, or gateway policies ({', '.join(GATEWAY_POLICIES)})",
+        help="comma list; each gets fresh simulated replicas (--sim N) and a fresh gateway "
+        f"running that policy ({', '.join(GATEWAY_POLICIES)}), or, for client:round_robin "
+        "and client:random, no gateway: the harness addresses the replicas itself",
     )
     t.add_argument(
         "--targets",
@@ -232,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "sim",
-        help="run simulated vLLM replicas (same as python -m loadtest.replica; see sim --help)",
+        help="run simulated vLLM replicas (same as prefix-router replica; see sim --help)",
         add_help=False,
     )
     return parser
@@ -352,6 +360,54 @@ async def _run_one(
     )
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Bounds, files and policy names checked before any replica starts (UsageError)."""
+    at_least("--concurrency", args.concurrency, 1)
+    at_least("--max-requests", args.max_requests, 1)
+    positive("--max-seconds", args.max_seconds)
+    positive("--timeout", args.timeout)
+    at_least("--sim", args.sim, 1)
+    at_least("--block-size", args.block_size, 1)
+    at_least("--sim-block-size", args.sim_block_size, 1)
+    at_least("--sim-gpu-blocks", args.sim_gpu_blocks, 1)
+    positive("--sim-prefill-tps", args.sim_prefill_tps)
+    positive("--sim-decode-tps", args.sim_decode_tps)
+    for flag in ("conversations", "tenants", "system_words", "max_tokens", "num_prefixes"):
+        at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    positive("--rate", args.rate)
+    positive("--time-scale", args.time_scale)
+    if args.trace is not None and args.workload != "trace":
+        raise UsageError("--trace applies to --workload trace only")
+    check_file("--trace", args.trace)
+    known = set(GATEWAY_POLICIES) | {f"client:{p}" for p in CLIENT_POLICIES}
+    for policy in _split([getattr(args, "policies", None) or ""]):
+        if policy not in known:
+            raise UsageError(
+                f"--policies: unknown policy {policy!r}; choose from {', '.join(sorted(known))}"
+            )
+    for url in [*_split(args.replica), *([args.gateway] if getattr(args, "gateway", None) else [])]:
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"{url!r} is not a URL: give http://HOST:PORT")
+
+
+async def check_reachable(urls: Sequence[tuple[str, str]]) -> None:
+    """Each ``(flag, url)`` answers HTTP at all, before a run spends its minutes sending
+    requests nowhere (any status will do: only the connection is checked)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        for flag, url in urls:
+            try:
+                async with s.get(url.rstrip("/") + "/health") as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                cause = type(e).__name__ if isinstance(e, asyncio.TimeoutError) else str(e)
+                raise UsageError(
+                    f"cannot reach {flag} {url} ({cause}): start it, or fix {flag}"
+                ) from None
+
+
 async def _cmd_run(args: argparse.Namespace) -> list[RunResult]:
     replicas = _split(args.replica)
     positions = _positions(args)
@@ -368,6 +424,12 @@ async def _cmd_run(args: argparse.Namespace) -> list[RunResult]:
             "give the replicas with --replica URL (their /metrics are read; "
             "without --gateway requests go to them), or --sim N"
         )
+    await check_reachable(
+        [
+            *([("--gateway", args.gateway)] if args.gateway else []),
+            *[("--replica", u) for u in replicas],
+        ]
+    )
     target = (
         GatewayTarget(args.gateway, replicas)
         if args.gateway
@@ -405,6 +467,10 @@ async def _cmd_compare(args: argparse.Namespace) -> list[RunResult]:
             raise UsageError("give --policies or --targets, not both")
         replicas = _split(args.replica)
         targets = parse_targets(args.targets, replicas, args.seed)
+        await check_reachable(
+            [("--replica", u) for u in replicas]
+            + [("--targets", t.url) for t in targets if isinstance(t, GatewayTarget)]
+        )
         for pos in positions:
             for t in targets:
                 results.append(await _run_one(t, args, pos, label(t.name, pos)))
@@ -459,7 +525,7 @@ async def _compare_in_processes(
                 else:
                     gw = procs.start_gateway(replicas.urls, "--policy", policy)
                     running.append(gw)
-                    await procs.wait_ready(gw.url)
+                    await procs.wait_ready(gw.url, proc=gw)
                     target = GatewayTarget(gw.url, replicas.urls, policy=policy, name=policy)
                 results.append(await _run_one(target, args, pos, label(target.name, pos)))
     return results
@@ -470,10 +536,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "sim":
         from loadtest.replica import main as replica_main
 
-        return replica_main(argv[1:])
+        return replica_main(argv[1:], prog="prefix-router loadtest sim")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_args(args)
         results = asyncio.run(_cmd_run(args) if args.command == "run" else _cmd_compare(args))
     except UsageError as e:
         parser.error(str(e))

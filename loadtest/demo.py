@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from loadtest import procs
 from loadtest.runner import ClientTarget, GatewayTarget, attach_ideal, run_workload
 from loadtest.sim.tokens import get_renderer
 from loadtest.workloads import multi_tenant
+from router.usage import HelpFormatter, OneLineParser, UsageError, at_least, positive, run
 
 
 def _row(name: str, r: Any) -> str:
@@ -35,7 +37,12 @@ def _row(name: str, r: Any) -> str:
     )
 
 
-async def run(a: argparse.Namespace) -> int:
+def progress(text: str) -> None:
+    """A progress line on stderr (stdout keeps the table alone)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+async def _run(a: argparse.Namespace) -> int:
     renderer = get_renderer()  # for the ideal hit rate: the same tokens vLLM would see
     sim_args = (
         "--num-gpu-blocks",
@@ -61,7 +68,9 @@ async def run(a: argparse.Namespace) -> int:
         client = policy.startswith("client:")
         name = f"{policy.split(':', 1)[1]} (client)" if client else f"prefix-router ({policy})"
         # Fresh, cold replicas for every policy; each part in its own process, as deployed.
+        started = time.monotonic()
         with procs.running() as running:
+            progress(f"[{policy}] starting {a.replicas} simulated replicas ...")
             replicas = procs.start_replicas(a.replicas, *sim_args)
             running.append(replicas)
             if client:
@@ -69,14 +78,14 @@ async def run(a: argparse.Namespace) -> int:
                     replicas.urls, policy.split(":", 1)[1], seed=a.seed, name=name
                 )
             else:
+                progress(f"[{policy}] starting the gateway (loads the tokenizer) ...")
                 gw = procs.start_gateway(replicas.urls, "--policy", policy)
                 running.append(gw)
-                await procs.wait_ready(gw.url)
+                await procs.wait_ready(gw.url, proc=gw)
                 target = GatewayTarget(gw.url, replicas.urls, name=name)
-            print(
-                f"running {name} on {a.replicas} simulated replicas ...",
-                file=sys.stderr,
-                flush=True,
+            progress(
+                f"[{policy}] sending up to {a.max_requests} requests "
+                f"({a.conversations} conversations, at most {a.max_seconds:g}s) ..."
             )
             result = await run_workload(
                 target,
@@ -92,6 +101,10 @@ async def run(a: argparse.Namespace) -> int:
             )
         attach_ideal(result, renderer)
         results.append((name, result))
+        progress(
+            f"[{policy}] done: {result.ok} answered, {result.lost} lost, "
+            f"{time.monotonic() - started:.0f}s"
+        )
 
     print(
         f"\nmulti-tenant chat: {a.tenants} tenants, {a.conversations} conversations, "
@@ -120,26 +133,67 @@ async def run(a: argparse.Namespace) -> int:
     return 0 if all(r.lost == 0 for _, r in results) else 1
 
 
+DESCRIPTION = """\
+The gateway against round robin, on simulated replicas, in a minute or two. For each policy:
+fresh simulated vLLM replicas on loopback, the same multi-tenant chat workload (same seed),
+then the fleet prefix-cache hit rate (read from the replicas' own counters), the ideal one,
+TTFT and balance side by side. No GPU, no network, no model download."""
+
+CLIENT_BASELINES = ("client:round_robin", "client:random")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    from router.schedule import policy_names
+
+    for flag in ("replicas", "tenants", "conversations", "concurrency", "max_requests"):
+        at_least("--" + flag.replace("_", "-"), getattr(a, flag), 1)
+    at_least("--gpu-blocks", a.gpu_blocks, 1)
+    at_least("--think-time-s", a.think_time_s, 0)
+    for flag in ("rate", "max_seconds", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        positive("--" + flag.replace("_", "-"), getattr(a, flag))
+    known = [*policy_names(), *CLIENT_BASELINES]
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    if not policies:
+        raise UsageError(f"--policies is empty; give a comma list of {', '.join(known)}")
+    for p in policies:
+        if p not in known:
+            raise UsageError(f"--policies: unknown policy {p!r}; choose from {', '.join(known)}")
+    a.policies = ",".join(policies)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from router.schedule import policy_names
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="prefix-router demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--replicas", type=int, default=4, help="simulated replicas per policy")
+    p.add_argument(
+        "--tenants", type=int, default=8, help="tenants, each with its own system prompt"
+    )
+    p.add_argument("--conversations", type=int, default=64, help="multi-turn conversations")
     p.add_argument("--rate", type=float, default=8.0, help="new conversations per second")
-    p.add_argument("--think-time-s", type=float, default=0.3)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--max-requests", type=int, default=400)
-    p.add_argument("--max-seconds", type=float, default=90.0)
+    p.add_argument(
+        "--think-time-s",
+        type=float,
+        default=0.3,
+        help="mean seconds between a conversation's turns",
+    )
+    p.add_argument("--concurrency", type=int, default=32, help="most requests in flight")
+    p.add_argument("--max-requests", type=int, default=400, help="requests per policy")
+    p.add_argument(
+        "--max-seconds", type=float, default=90.0, help="stop sending after this long, per policy"
+    )
     p.add_argument("--gpu-blocks", type=int, default=2048, help="KV blocks per replica")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
-    p.add_argument("--decode-tokens-per-s", type=float, default=400.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefill-tokens-per-s", type=float, default=50_000.0, help="each replica's prefill speed"
+    )
+    p.add_argument(
+        "--decode-tokens-per-s", type=float, default=400.0, help="each request's decode speed"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument(
         "--policies",
         default="ttft,round_robin",
@@ -149,13 +203,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gateway, so both pay the same proxy hop",
     )
     a = p.parse_args(argv)
+    return run("prefix-router demo", lambda: _main(a))
+
+
+def _main(a: argparse.Namespace) -> int:
+    check_args(a)
     logging.basicConfig(level=logging.WARNING)
     try:
         import uvloop
 
-        return uvloop.run(run(a))
+        return uvloop.run(_run(a))
     except ImportError:
-        return asyncio.run(run(a))
+        return asyncio.run(_run(a))
 
 
 if __name__ == "__main__":

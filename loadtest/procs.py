@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,16 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     urls: list[str] = field(default_factory=list)
+    stderr: Path | None = None  # where its stderr goes, so a failed start can say why
+
+    def exit_reason(self) -> str:
+        """``NAME exited (status N): its last stderr line``, for a process that stopped."""
+        last = ""
+        if self.stderr is not None:
+            with contextlib.suppress(OSError):
+                lines = [x for x in self.stderr.read_text(errors="replace").splitlines() if x]
+                last = lines[-1] if lines else ""
+        return f"{self.name} exited (status {self.popen.poll()})" + (f": {last}" if last else "")
 
     @property
     def url(self) -> str:
@@ -74,14 +85,17 @@ def start(
     read_stdout: bool = False,
 ) -> Proc:
     """Start ``cmd``. Its output is discarded unless ``read_stdout`` (then the caller must keep
-    reading it: a chatty process blocks once an unread pipe fills)."""
-    popen = subprocess.Popen(
-        list(cmd),
-        stdout=subprocess.PIPE if read_stdout else subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
-    return Proc(name, popen, list(urls))
+    reading it: a chatty process blocks once an unread pipe fills); its stderr goes to a
+    temporary file (``Proc.exit_reason`` reads its last line)."""
+    log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
+    with log:
+        popen = subprocess.Popen(
+            list(cmd),
+            stdout=subprocess.PIPE if read_stdout else subprocess.DEVNULL,
+            stderr=log,
+            env={**os.environ, **(env or {})},
+        )
+    return Proc(name, popen, list(urls), Path(log.name))
 
 
 def start_replicas(count: int, *args: str, timeout: float = 60.0) -> Proc:
@@ -107,7 +121,8 @@ def start_replicas(count: int, *args: str, timeout: float = 60.0) -> Proc:
     while len(proc.urls) < count:
         line = proc.popen.stdout.readline().decode()
         if not line:
-            raise RuntimeError(f"simulated replicas exited (status {proc.popen.poll()})")
+            proc.popen.wait(10)
+            raise RuntimeError(proc.exit_reason())
         if line.startswith("ready "):
             proc.urls.append(line.split()[1].strip())
         if time.monotonic() > deadline:
@@ -140,10 +155,15 @@ def start_gateway(replicas: Sequence[str], *args: str) -> Proc:
     return start("prefix-router", cmd, [f"http://127.0.0.1:{port}"])
 
 
-async def wait_ready(url: str, path: str = "/ready", timeout: float = 90.0) -> None:
+async def wait_ready(
+    url: str, path: str = "/ready", timeout: float = 90.0, proc: Proc | None = None
+) -> None:
+    """Until ``url + path`` answers 200; with ``proc``, fail as soon as that process exits."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
+            if proc is not None and proc.popen.poll() is not None:
+                raise RuntimeError(proc.exit_reason())
             with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 async with s.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
@@ -161,3 +181,5 @@ def running() -> Iterator[list[Proc]]:
     finally:
         for p in reversed(procs):
             p.stop()
+            if p.stderr is not None:
+                p.stderr.unlink(missing_ok=True)

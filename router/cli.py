@@ -10,10 +10,23 @@ import sys
 from collections.abc import Mapping, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from router import __version__
 from router.config import Config, ConfigError, add_arguments, dump_yaml, load_config
+from router.usage import (
+    DEBUG_ENV,
+    OneLineParser,
+    UsageError,
+    check_can_listen,
+    check_file,
+    check_tokenizer,
+    listen_error,
+    run,
+)
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 DESCRIPTION = """\
 An OpenAI-compatible gateway for vLLM fleets that routes each request to the replica most
@@ -25,19 +38,22 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
     except ConfigError as e:
-        print(f"prefix-router: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
     if not config.replicas and not config.discovery_dns:
-        print(
-            "prefix-router: no replicas: pass --replica URL (repeatable), set replicas in "
-            "--config, PREFIX_ROUTER_REPLICAS, or discovery_dns.\n"
-            "To try it without vLLM: prefix-router demo",
-            file=sys.stderr,
+        raise UsageError(
+            "no replicas: pass --replica URL (repeatable), set replicas in --config, "
+            "PREFIX_ROUTER_REPLICAS, or discovery_dns (to try it without vLLM: "
+            "prefix-router demo)"
         )
-        return 2
+    # Checked now, not after seconds of tokenizer loading and replica probing.
+    check_tokenizer("--tokenizer", config.tokenizer)
+    check_file("--api-keys-file", config.api_keys_file)
+    check_can_listen(config.host, config.port, reuse_port=config.workers > 1)
+    if config.metrics_port:
+        check_can_listen(config.host, config.metrics_port, flag="--metrics-port")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -60,8 +76,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _run_worker(config: Config) -> int:
     """One gateway process: its own event loop (uvloop when installed) and app."""
-    from aiohttp import web
-
     from router.admin import SERVED_EXTENSIONS
     from router.app import build_app
 
@@ -70,8 +84,36 @@ def _run_worker(config: Config) -> int:
     try:
         app = build_app(config, extensions=SERVED_EXTENSIONS)
     except ConfigError as e:
-        print(f"prefix-router: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    _log_lifecycle(app, config)
+    try:
+        _run_app(app, config, loop)
+    except OSError as e:  # lost a race for the port checked free at start
+        raise UsageError(listen_error(config.host, config.port, e)) from None
+    return 0
+
+
+def _log_lifecycle(app: web.Application, config: Config) -> None:
+    """Log the drain and the stop (SIGTERM or SIGINT starts both); "gateway ready" is the
+    start."""
+    log = logging.getLogger("prefix_router")
+
+    async def draining(app: web.Application) -> None:
+        log.info(
+            "shutting down: no new connections; in-flight requests have %gs to finish",
+            config.shutdown_grace_s,
+        )
+
+    async def stopped(app: web.Application) -> None:
+        log.info("stopped")
+
+    app.on_shutdown.insert(0, draining)
+    app.on_cleanup.append(stopped)
+
+
+def _run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoop) -> None:
+    from aiohttp import web
+
     web.run_app(
         app,
         host=config.host,
@@ -84,7 +126,6 @@ def _run_worker(config: Config) -> int:
         shutdown_timeout=config.shutdown_grace_s,
         reuse_port=config.workers > 1,
     )
-    return 0
 
 
 def _run_workers(config: Config) -> int:
@@ -95,7 +136,7 @@ def _run_workers(config: Config) -> int:
 
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=_run_worker, args=(config,), name=f"worker-{i}")
+        ctx.Process(target=_worker_process, args=(config,), name=f"worker-{i}")
         for i in range(config.workers)
     ]
     for p in procs:
@@ -113,6 +154,11 @@ def _run_workers(config: Config) -> int:
         p.join()
         status = status or (p.exitcode or 0)
     return status
+
+
+def _worker_process(config: Config) -> None:
+    """A ``workers > 1`` child: its errors are one line too, and its status is the exit code."""
+    sys.exit(run("prefix-router serve", lambda: _run_worker(config)))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -199,13 +245,18 @@ def build_parser(commands: Mapping[str, Command] | None = None) -> argparse.Argu
     """The top-level parser; ``commands``: the plugin commands to list (default: discover)."""
     if commands is None:
         commands = plugin_commands()
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="prefix-router",
         description=DESCRIPTION,
         epilog=None if commands else PLUGIN_HINT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"prefix-router {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="tracebacks instead of one-line errors",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -230,30 +281,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # transformers announces at import that PyTorch is absent; the gateway only needs tokenizers.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if argv and argv[0] in DELEGATED:
-        try:
-            return _delegate(argv[0], argv[1:])
-        except KeyboardInterrupt:
-            return 130
+    if "--debug" in argv:  # any command: tracebacks instead of one-line errors
+        argv.remove("--debug")
+        os.environ[DEBUG_ENV] = "1"
+    name = argv[0] if argv else ""
+    prog = f"prefix-router {name}" if name and not name.startswith("-") else "prefix-router"
+    if name in DELEGATED:
+        return run(prog, lambda: _delegate(name, argv[1:]))
     # `serve` needs no plugin: the gateway process never imports one.
     commands = {} if argv[:1] == ["serve"] else plugin_commands()
-    if argv and argv[0] in commands:
-        try:
-            return int(commands[argv[0]](argv[1:]) or 0)
-        except KeyboardInterrupt:
-            return 130
-    if argv and not commands and argv[0] != "serve" and not argv[0].startswith("-"):
-        print(f"prefix-router: no command {argv[0]!r} here.\n{PLUGIN_HINT}", file=sys.stderr)
+    if name in commands:
+        return run(prog, lambda: int(commands[name](argv[1:]) or 0))
+    if argv and not commands and name != "serve" and not name.startswith("-"):
+        print(f"prefix-router: no command {name!r} here.\n{PLUGIN_HINT}", file=sys.stderr)
         return 2
     parser = build_parser(commands)
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
+
+    def parsed() -> int:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args))
-    except KeyboardInterrupt:
-        return 130
+
+    return run(prog, parsed)
 
 
 if __name__ == "__main__":

@@ -338,6 +338,15 @@ def _hints() -> dict[str, Any]:
     return typing.get_type_hints(Config)
 
 
+def _readable(name: str, default: Any) -> str:
+    """A default as a person reads it: byte sizes in MiB/KiB (33554432 -> 32 MiB)."""
+    if name.endswith("_bytes") and isinstance(default, int) and default >= 1024:
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if default % size == 0:
+                return f"{default // size} {unit} = {default}"
+    return str(default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field; defaults are None so only flags the user gave override."""
     parser.add_argument(
@@ -361,7 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         shown = (
             ""
             if f.metadata.get("secret") or default in (None, [], {})
-            else f" (default: {default})"
+            else f" (default: {_readable(f.name, default)})"
         )
         help_text = f"{f.metadata['help']}{shown} [env {env}]"
         if f.name == "replicas":

@@ -53,7 +53,9 @@ class APIError(Exception):
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code if self.code else self.status,
+                # A string or null, as OpenAI sends it (vLLM sends the status as an int;
+                # clients match on strings, and one type is what a client can switch on).
+                "code": self.code or None,
             }
         }
 

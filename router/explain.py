@@ -7,7 +7,6 @@ token ids and block hashes for request bodies, through the very same ``Gateway.p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
@@ -25,6 +24,7 @@ from router.gateway import Gateway
 from router.offline import offline_gateway
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
+from router.usage import HelpFormatter, OneLineParser
 
 SHOWN_HASHES = 8
 
@@ -154,7 +154,8 @@ async def _explain_lines(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
+        formatter_class=HelpFormatter,
         prog="prefix-router explain",
         description="Print, for each request body (one JSON object per line), the prompt token "
         "ids and leading block hashes the gateway computes: the same rendering, tokenization, "
@@ -167,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSON-lines file of request bodies (default: standard input)",
     )
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or cached model id")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (vLLM --block-size)"
+    )
     p.add_argument("--config", help="gateway config file (for salt policy, tenants)")
     p.add_argument("--tenant-key", help="an API key, to explain as that tenant would be")
     p.add_argument(

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
+from router.bundled import tokenizer_for_model
 from router.prompt import Renderer
+
+log = logging.getLogger("prefix_router")
 
 
 def _model_vocab_size(name: str) -> int:
@@ -22,11 +26,15 @@ def _model_vocab_size(name: str) -> int:
 def load_renderer(
     tokenizer: str | None, reported_model: str | None, max_prompt_chars: int = 4_000_000
 ) -> Renderer:
-    name = tokenizer or reported_model
+    bundled = None if tokenizer else tokenizer_for_model(reported_model)
+    if bundled is not None:
+        log.info("tokenizer: the bundled one for %s (%s)", reported_model, bundled)
+    name = tokenizer or (str(bundled) if bundled else reported_model)
     if not name:
         raise SystemExit(
-            "prefix-router: no --tokenizer given and no replica reported a model "
-            "in /v1/models; pass --tokenizer PATH_OR_MODEL_ID"
+            "prefix-router: no --tokenizer given and no replica answered /v1/models with a "
+            "model (is one up yet?); start the gateway once a replica is ready, or pass "
+            "--tokenizer PATH_OR_MODEL_ID"
         )
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
         raise SystemExit(f"prefix-router: tokenizer directory {name!r} does not exist")
@@ -48,7 +56,7 @@ def load_renderer(
         )
         raise SystemExit(
             f"prefix-router: cannot load tokenizer {name!r}{hint}: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-            "Point --tokenizer at a local directory with tokenizer.json and "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "point --tokenizer at a local directory with tokenizer.json and "
             "tokenizer_config.json, or fetch the model into the Hugging Face cache first."
         ) from None

@@ -111,11 +111,7 @@ class Metrics:
             ["replica"],
             registry=r,
         )
-        self.redis_up = Gauge(
-            "prefix_router_redis_up",
-            "1 when shared state in Redis is in use (fleet mode)",
-            registry=r,
-        )
+        self._redis_up: Gauge | None = None
         self.redis_fallbacks = Counter(
             "prefix_router_redis_fallbacks", "Lookups answered from the local view", registry=r
         )
@@ -129,3 +125,15 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+    @property
+    def redis_up(self) -> Gauge:
+        """Registered on first use (when fleet mode starts), so a gateway with no Redis
+        configured exports no ``prefix_router_redis_up``: a 0 there would read as an outage."""
+        if self._redis_up is None:
+            self._redis_up = Gauge(
+                "prefix_router_redis_up",
+                "1 when shared state in Redis is in use (fleet mode)",
+                registry=self.registry,
+            )
+        return self._redis_up

@@ -103,6 +103,21 @@ def _parse_time(value: Any) -> float:
     return dt.replace(tzinfo=dt.tzinfo or timezone.utc).timestamp()
 
 
+# The example manifests' placeholders (deploy/kubernetes/router-secret.yaml): applied as
+# written they would make a guessable salt secret and a published API key.
+PLACEHOLDER = "REPLACE-ME"
+PLACEHOLDER_DIGESTS = frozenset(
+    {"bfc4f67fb3e4f34154abb053f263c8a65fa861d034fbfbe4e864e15c57b2baba"}  # ...-of-tenant-b
+)
+
+
+def _refuse_placeholder(value: str, what: str, where: str, fix: str) -> None:
+    if PLACEHOLDER in value.upper() or value.lower() in PLACEHOLDER_DIGESTS:
+        raise ConfigError(
+            f"{where}: {what} is still the example's {PLACEHOLDER} placeholder; {fix}"
+        )
+
+
 def _parse_secrets(raw: Any, where: str) -> list[SaltSecret]:
     if raw is None:
         return []
@@ -122,6 +137,9 @@ def _parse_secrets(raw: Any, where: str) -> list[SaltSecret]:
             raise ConfigError(
                 f"{where}: salt_secrets[{i}] needs a secret of at least 16 characters"
             )
+        _refuse_placeholder(
+            item["secret"], "the salt secret", where, "set it to the output of openssl rand -hex 32"
+        )
         epoch = str(item.get("epoch", i))
         if not _EPOCH_RE.fullmatch(epoch):
             # The epoch is part of every salt sent: it must keep the salt valid for vLLM.
@@ -193,6 +211,9 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
     default_policy = default_salt_policy(config)
 
     def add_key(digest: str, tenant: str) -> None:
+        _refuse_placeholder(
+            digest, f"tenant {tenant!r}'s key_sha256", where, "hash the tenant's real key"
+        )
         other = table.keys.get(digest)
         if other is not None and other != tenant:
             # Never name the key itself: only who it collides between.
@@ -217,6 +238,7 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
             tuple(_names(spec.get("public_prefixes"), "public_prefixes", where)),
         )
         for key in _names(spec.get("keys"), f"tenant {name!r}: keys", where):
+            _refuse_placeholder(key, f"tenant {name!r}'s API key", where, "give it a real key")
             add_key(key_digest(key), str(name))
         for digest in _names(spec.get("key_sha256"), f"tenant {name!r}: key_sha256", where):
             digest = digest.strip().lower()
@@ -231,6 +253,9 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
         name, key = name.strip(), key.strip()
         if not sep or not key or not name:
             raise ConfigError("PREFIX_ROUTER_API_KEYS must be tenant:key[,tenant:key...]")
+        _refuse_placeholder(
+            key, f"tenant {name!r}'s API key", "PREFIX_ROUTER_API_KEYS", "give it a real key"
+        )
         add_key(key_digest(key), name)
         table.tenants.setdefault(name, TenantPolicy(name, default_policy))
     secrets = _parse_secrets(data.get("salt_secrets"), where)

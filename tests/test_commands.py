@@ -89,8 +89,8 @@ def test_plugin_commands_parse_their_own_flags(capsys: pytest.CaptureFixture[str
     assert cli.main(["replica", "--count", "0"]) == 2
     assert "--count must be at least 1" in capsys.readouterr().err
     for argv, prog in [
-        (["replica", "--help"], "usage: python -m loadtest.replica"),
-        (["loadtest", "sim", "--help"], "usage: python -m loadtest.replica"),
+        (["replica", "--help"], "usage: prefix-router replica"),
+        (["loadtest", "sim", "--help"], "usage: prefix-router loadtest sim"),
         (["loadtest", "run", "--help"], "--workload"),
         (["demo", "--help"], "usage: prefix-router demo"),
     ]:

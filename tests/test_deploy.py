@@ -5,6 +5,7 @@ container."""
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import importlib.util
 import json
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from router.cli import build_parser
-from router.config import Config, load_config
+from router.config import Config, ConfigError, load_config
 from router.discovery import DnsDiscoveryConfig
 from router.tenancy import Tenancy
 
@@ -504,8 +505,18 @@ def gateway_config() -> dict[str, Any]:
     return yaml.safe_load(cm["data"][key])
 
 
-def k8s_effective_config(tmp_path: Path) -> Config:
+def filled_in(text: str) -> str:
+    """A Secret value with the example's placeholders replaced, as the operator must."""
+    digest = hashlib.sha256(b"REPLACE-ME-api-key-of-tenant-b").hexdigest()
+    text = text.replace(digest, hashlib.sha256(b"a real key of tenant b").hexdigest())
+    return re.sub(r"REPLACE-ME[\w-]*", lambda m: hashlib.sha256(m[0].encode()).hexdigest(), text)
+
+
+def k8s_effective_config(tmp_path: Path, *, placeholders: bool = False) -> Config:
+    """The gateway's config from the manifests; their Secret's placeholders filled in unless
+    ``placeholders``."""
     _, pod, ctr = gateway()
+    fill = (lambda v: v) if placeholders else filled_in
     files: dict[str, Path] = {}
     for mount in ctr["volumeMounts"]:
         vol = next(v for v in pod["volumes"] if v["name"] == mount["name"])
@@ -521,7 +532,7 @@ def k8s_effective_config(tmp_path: Path) -> Config:
         for item in source["items"]:
             path = tmp_path / mount["name"] / item["path"]
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(data[item["key"]])
+            path.write_text(fill(data[item["key"]]))
             files[f"{mount['mountPath']}/{item['path']}"] = path
     env = {}
     for e in ctr["env"]:
@@ -529,7 +540,7 @@ def k8s_effective_config(tmp_path: Path) -> Config:
             env[e["name"]] = e["value"]
         else:
             ref = e["valueFrom"]["secretKeyRef"]
-            env[e["name"]] = k8s("Secret", ref["name"])["stringData"][ref["key"]]
+            env[e["name"]] = fill(k8s("Secret", ref["name"])["stringData"][ref["key"]])
     return effective_config(ctr["args"], env, files)
 
 
@@ -539,6 +550,22 @@ def test_kubernetes_gateway_config_is_accepted_by_the_gateway(tmp_path: Path) ->
     assert config.api_keys_file and config.salt_secret
     assert config.redis_url and config.discovery_dns and not config.replicas
     assert config.block_size is not None
+
+
+def test_kubernetes_placeholders_are_refused(tmp_path: Path) -> None:
+    """Applied as written, the manifests' Secret would key every tenant's salt with a
+    published string and accept a published API key: the gateway refuses to start."""
+    with pytest.raises(ConfigError, match="REPLACE-ME placeholder") as e:
+        k8s_effective_config(tmp_path, placeholders=True)
+    assert "openssl rand -hex 32" in str(e.value) or "real key" in str(e.value)
+    for key in ("REPLACE-ME-api-key-of-tenant-a", "fine-key"):
+        env = {"PREFIX_ROUTER_API_KEYS": f"t:{key}", "PREFIX_ROUTER_SALT_SECRET": "x" * 32}
+        config = load_config(build_parser().parse_args(["serve", "--auth"]), env=env)
+        if key.startswith("REPLACE-ME"):
+            with pytest.raises(ConfigError, match="placeholder"):
+                Tenancy(config, env)
+        else:
+            Tenancy(config, env)
 
 
 def test_kubernetes_validate_strict() -> None:

@@ -163,3 +163,28 @@ def test_conformance_instructions_stay_inside_the_repo() -> None:
         assert "../shared" not in text, page
     text = (DOCS / "prompt-rendering.md").read_text()
     assert "tools/make_oracle_fixtures.py" in text and "tests/test_conformance.py" in text
+
+
+def test_test_script_announces_each_install_before_it_runs() -> None:
+    """scripts/test.sh installs packages (system ones too): each install line is preceded by
+    a line that says what it is about to install."""
+    lines = [x.strip() for x in (ROOT / "scripts" / "test.sh").read_text().splitlines()]
+    installs = [i for i, x in enumerate(lines) if re.search(r"\b(pip|apt-get) install\b", x)]
+    installs = [i for i in installs if not lines[i].startswith(("say ", "#"))]
+    assert len(installs) >= 3, installs
+    for i in installs:
+        assert lines[i - 1].startswith("say ") and "install" in lines[i - 1], lines[i]
+
+
+def test_readme_quickstart_uses_the_commands_as_they_are() -> None:
+    """The simulated-replica quickstart needs no flag beyond the URLs and ports, and its client
+    is pointed at the gateway (tests/test_serve_start.py runs it)."""
+    text = README.read_text()
+    text = text[text.index("\n## A gateway in front of a simulated replica\n") :]
+    text = text[: text.index("\n## ", 1)]
+    assert "prefix-router replica --port 9001\n" in text
+    assert "prefix-router serve --replica http://127.0.0.1:9001 --port 8000\n" in text
+    assert 'base_url="http://127.0.0.1:8000/v1"' in text
+    from loadtest.sim.config import SimConfig
+
+    assert f'model="{SimConfig().model}"' in text

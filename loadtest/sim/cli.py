@@ -1,5 +1,5 @@
-"""``python -m loadtest.replica`` (also ``prefix-router replica`` and ``python -m loadtest
-sim``): simulated replicas on consecutive ports until SIGINT/SIGTERM."""
+"""``prefix-router replica`` (also ``prefix-router loadtest sim`` and ``python -m
+loadtest.replica``): simulated replicas on consecutive ports until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -7,24 +7,40 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import signal
-import sys
 
 from loadtest.sim.config import DEFAULT_TOKENIZER, SimConfig
 from loadtest.sim.server import SimReplica
 from loadtest.sim.tokens import get_renderer, get_words
+from router.prompt import Renderer
+from router.usage import (
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    at_least,
+    check_can_listen,
+    check_port,
+    check_tokenizer,
+    listen_error,
+    one_line,
+    run,
+)
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def build_parser(prog: str = "python -m loadtest.replica") -> argparse.ArgumentParser:
+def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser:
     d = SimConfig.__dataclass_fields__
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=prog,
         description="Run simulated vLLM replicas: vLLM's OpenAI-compatible API "
         "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, "
         "/detokenize, /health, /version, /metrics) with vLLM's prefix cache and a "
         "prefill/decode timing model, no GPU. Prints 'ready http://HOST:PORT' per "
         "replica once listening; stops on SIGINT/SIGTERM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument(
@@ -38,7 +54,10 @@ def build_parser(prog: str = "python -m loadtest.replica") -> argparse.ArgumentP
     )
     p.add_argument("--model", default=d["model"].default, help="served model name")
     p.add_argument(
-        "--tokenizer", default=DEFAULT_TOKENIZER, help="tokenizer directory or Hugging Face name"
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory or Hugging Face model id (default: the bundled Qwen3 "
+        "tokenizer, the one --model's default uses)",
     )
     p.add_argument(
         "--block-size",
@@ -113,14 +132,16 @@ def build_parser(prog: str = "python -m loadtest.replica") -> argparse.ArgumentP
         "--instant", action="store_true", help="no simulated time at all: answer immediately"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tokens")
-    p.add_argument("--log-level", default="WARNING", help="logging level")
+    p.add_argument(
+        "--log-level", default="warning", type=str.lower, choices=LOG_LEVELS, help="logging level"
+    )
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         model=args.model,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -137,27 +158,55 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag checked before the tokenizer's seconds of loading (UsageError)."""
+    at_least("--count", args.count, 1)
+    check_port("--port", args.port, allow_zero=True)
+    if args.port and args.port + args.count - 1 > 65535:
+        raise UsageError(
+            f"--count {args.count} replicas from --port {args.port} run past port 65535; "
+            "pass a lower --port or --port 0"
+        )
+    check_tokenizer("--tokenizer", args.tokenizer)
+    if args.port:
+        for i in range(args.count):
+            check_can_listen(args.host, args.port + i)
+
+
+def _flag_error(e: ValueError) -> str:
+    """SimConfig's message in the flags' words (``SimConfig.block_size`` -> ``--block-size``)."""
+    return re.sub(r"SimConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
+
+
+def load_renderer(tokenizer: str) -> Renderer:
+    try:
+        renderer = get_renderer(tokenizer)
+        get_words(renderer)
+    except Exception as e:  # transformers raises OSError, ValueError, hub errors...
+        cause = one_line(e).split(";")[0].rstrip(".")
+        raise UsageError(
+            f"cannot load tokenizer {tokenizer!r}: {cause}; pass --tokenizer "
+            "with a directory holding tokenizer.json, or leave it out for the bundled one "
+            "(a model id is read from the local Hugging Face cache; HF_HUB_OFFLINE=0 downloads)"
+        ) from None
+    return renderer
+
+
 async def _serve(cfg: SimConfig, host: str, port: int, count: int) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    renderer = await asyncio.to_thread(get_renderer, cfg.tokenizer)
-    await asyncio.to_thread(get_words, renderer)
+    renderer = await asyncio.to_thread(load_renderer, cfg.tokenizer)
     replicas: list[SimReplica] = []
     try:
         for i in range(count):
             r = SimReplica(cfg, renderer)
             try:
                 await r.start(host, port + i if port else 0)
-            except OSError as e:
-                print(
-                    f"error: cannot listen on {host}:{port + i if port else 0}: {e}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
+            except OSError as e:  # taken since check_args
+                raise UsageError(listen_error(host, port + i if port else 0, e)) from None
             replicas.append(r)
             print(f"ready {r.url}", flush=True)
         await stop.wait()
@@ -167,20 +216,20 @@ async def _serve(cfg: SimConfig, host: str, port: int, count: int) -> int:
             await r.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "prefix-router replica") -> int:
+    return run(prog, lambda: _main(build_parser(prog).parse_args(argv)))
+
+
+def _main(args: argparse.Namespace) -> int:
+    check_args(args)
+    # A model id is looked up in the local Hugging Face cache only, as the gateway does:
+    # offline, a hub lookup retries for most of a minute before failing.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.count < 1:
-        print("error: --count must be at least 1", file=sys.stderr)
-        return 2
     try:
         cfg = config_from_args(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(_serve(cfg, args.host, args.port, args.count))
-    except KeyboardInterrupt:
-        return 0
+        raise UsageError(_flag_error(e)) from None
+    return asyncio.run(_serve(cfg, args.host, args.port, args.count))

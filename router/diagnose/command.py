@@ -3,7 +3,6 @@ the gateway's own ``Gateway.prepare`` (no replica needed)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -18,6 +17,7 @@ from router.diagnose.window import analyze
 from router.errors import APIError
 from router.explain import endpoint_of
 from router.offline import offline_gateway
+from router.usage import HelpFormatter, OneLineParser
 
 
 def _field(body: Mapping[str, Any], path: str) -> str | None:
@@ -32,7 +32,8 @@ def _field(body: Mapping[str, Any], path: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
+        formatter_class=HelpFormatter,
         prog="prefix-router diagnose",
         description="Explain a low prefix-cache hit rate from captured request bodies (JSON "
         "lines of OpenAI chat/completions bodies, in arrival order): the ideal hit rate, the "
@@ -41,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("file", help="JSON-lines file of request bodies ('-': standard input)")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or cached model id")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (vLLM --block-size)"
+    )
     p.add_argument("--group-by", help="body field to group by, e.g. user or metadata.app")
     p.add_argument("--config", help="gateway config file (salt policy, tenants)")
     p.add_argument("--redact", action="store_true", help="positions and counts only, no text")
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
     except OSError as e:
-        print(f"prefix-router diagnose: {e}", file=sys.stderr)
+        print(f"prefix-router diagnose: cannot read {a.file}: {e.strerror}", file=sys.stderr)
         return 2
 
     samples: list[Sample] = []
