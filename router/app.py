@@ -43,6 +43,7 @@ from router.forward import (
     request_headers,
 )
 from router.index import MemoryIndex, PrefixIndex
+from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
 from router.prompt import NeedsThread, Renderer
@@ -91,6 +92,7 @@ class Gateway:
         self.renderer = renderer
         self.metrics = Metrics()
         self.tenancy = Tenancy(config)
+        self.limits = BodyLimits.from_config(config)
         self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
         self.ring = HashRing(virtual_nodes=config.virtual_nodes)
         self.policy = from_config(config, self.ring)  # config.schedule + the policy flags
@@ -365,7 +367,7 @@ class Gateway:
         """Parse the body, check that some replica serves its model, and decide its salt:
         everything that comes before tokenizing. A request for a model nobody serves is
         refused here, so it cannot be used to time the tokenizer's caches for free."""
-        body = parse_body(raw, endpoint)
+        body = parse_body(raw, endpoint, self.limits)
         model = body.get("model")
         fleet = self.fleet
         if model is None:
@@ -798,9 +800,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+def parse_body(
+    raw: bytes, endpoint: Endpoint, limits: BodyLimits = DEFAULT_LIMITS
+) -> dict[str, Any]:
     """Validate the fields routing reads; everything else is forwarded untouched."""
     body = parse_json_object(raw)
+    check_body(body, limits)  # bounded shapes first: what follows recurses
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
