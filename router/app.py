@@ -43,7 +43,7 @@ from router.forward import (
     request_headers,
 )
 from router.index import MemoryIndex, PrefixIndex
-from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
+from router.limits import DEFAULT_LIMITS, BodyLimits, check_body, check_fits
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
 from router.prompt import NeedsThread, Renderer
@@ -169,6 +169,10 @@ class Gateway:
             except BaseException:
                 await self.stop()  # exit cleanly: no half-open sessions or tasks left behind
                 raise
+        # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.renderer._max_chars_per_token
+        )
         log.info(
             "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
             len(self.fleet.replicas),
@@ -375,6 +379,9 @@ class Gateway:
         if fleet is not None:
             self._serving(model)
         lora = model if fleet and fleet.adapter_parent(model) else None
+        if fleet is not None:  # what cannot fit the context is refused before rendering
+            card = fleet.models().get(model) or {}
+            check_fits(body, card.get("max_model_len"), self._renderer()._max_chars_per_token())
         salt = self.tenancy.salt(
             tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
         )

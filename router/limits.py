@@ -184,3 +184,25 @@ def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> Non
             param="messages" if "messages" in body else "prompt",
             code="prompt_too_long",
         )
+
+
+def check_fits(body: dict[str, Any], max_model_len: Any, max_chars_per_token: int) -> None:
+    """Refuse, before rendering, a request that cannot fit the model's context: a token
+    holds at most ``max_chars_per_token`` characters (its longest vocabulary string), so
+    message text of ``c`` characters is at least ``c / max_chars_per_token`` tokens; vLLM
+    refuses prompt + ``max_tokens`` beyond ``max_model_len`` with this same 400."""
+    if type(max_model_len) is not int or max_model_len < 1 or max_chars_per_token < 1:
+        return  # the replicas did not say (max_model_len comes from their /v1/models cards)
+    prompt_tokens = -(-_message_text_chars(body) // max_chars_per_token)
+    out = body.get("max_completion_tokens", body.get("max_tokens"))
+    out = out if type(out) is int and out > 0 else 0
+    if prompt_tokens + out > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested at least {prompt_tokens + out} tokens ({prompt_tokens} or more in the "
+            f"messages, {out} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param="messages" if "messages" in body else "prompt",
+            code="context_length_exceeded",
+        )

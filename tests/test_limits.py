@@ -229,3 +229,36 @@ def test_each_limit_names_its_field():
     assert (e.param, e.code) == ("messages", "prompt_too_long")
     e = refusal(body(**{"a.b": nested_list(70)}))
     assert e.param == '["a.b"]' + "[0]" * 63
+
+
+async def test_what_cannot_fit_is_refused_before_rendering(fleet, gateway):
+    """A token holds at most 128 characters of Qwen3's vocabulary: 200,000 characters are at
+    least 1,563 tokens, more than a 1,000-token context. The gateway says so itself (the
+    replica's own refusal says "you requested N tokens", not "at least")."""
+    replicas = await fleet(1, max_model_len=1000)
+    gw = await gateway([replicas[0].url], max_prompt_chars=500_000)
+    async with aiohttp.ClientSession() as s:
+        url = gw.url + "/v1/chat/completions"
+        status, _, answer = await post(
+            s, url, body(messages=[{"role": "user", "content": "ab " * 66_667}])
+        )
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert "(1563 or more in the messages, 4 in" in answer["error"]["message"]
+        # Text that could fit (1,000 x 128 chars) is left to the tokenizer and the replica.
+        status, _, answer = await post(
+            s, url, body(messages=[{"role": "user", "content": "ab " * 40_000}])
+        )
+        assert status == 400 and "at least" not in answer["error"]["message"], answer
+        assert (await post(s, url, body(max_tokens=990)))[0] == 200
+        status, _, answer = await post(s, url, body(max_tokens=1001))
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+
+
+async def test_message_text_beyond_the_prompt_cap_is_refused_unrendered(fleet, gateway):
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url], max_prompt_chars=1000)
+    async with aiohttp.ClientSession() as s:
+        long = body(messages=[{"role": "user", "content": "x" * 600}] * 2)
+        status, _, answer = await post(s, gw.url + "/v1/chat/completions", long)
+        assert status == 400 and answer["error"]["code"] == "prompt_too_long"
+        assert "messages alone hold 1200 characters" in answer["error"]["message"]
