@@ -221,7 +221,9 @@ def _template_error_reason(exc: BaseException) -> str:
         if isinstance(current, jinja2.TemplateError):
             return str(current)
         current = current.__cause__ or current.__context__
-    return str(exc) or type(exc).__name__
+    # Anything else is Python's own text (a TypeError naming internals): logged, not echoed.
+    log.debug("chat template failed: %s: %.300s", type(exc).__name__, exc)
+    return "a value in the request has a type or shape the template cannot render"
 
 
 # --------------------------------------------------------------------------------------------

@@ -262,3 +262,20 @@ async def test_message_text_beyond_the_prompt_cap_is_refused_unrendered(fleet, g
         status, _, answer = await post(s, gw.url + "/v1/chat/completions", long)
         assert status == 400 and answer["error"]["code"] == "prompt_too_long"
         assert "messages alone hold 1200 characters" in answer["error"]["message"]
+
+
+def test_template_failures_are_told_in_the_clients_terms(renderer, caplog):
+    """A template that trips over a value (Python's TypeError, naming internals) is a 400
+    that says what was wrong; Python's own text goes to the debug log only."""
+    from router.prompt import Renderer
+
+    r = Renderer(renderer.tokenizer, chat_template="{{ messages[0]['content'] + 1 }}")
+    with caplog.at_level("DEBUG", logger="router.prompt"), pytest.raises(APIError) as e:
+        r.render_chat(body())
+    assert e.value.status == 400 and "type or shape the template cannot render" in e.value.message
+    assert "concatenate" not in e.value.message and "str" not in e.value.message
+    assert any("concatenate" in rec.getMessage() for rec in caplog.records)
+    # A template's own raise_exception text is the template author's message: kept.
+    r = Renderer(renderer.tokenizer, chat_template="{{ raise_exception('no system role') }}")
+    with pytest.raises(APIError, match="no system role"):
+        r.render_chat(body())
