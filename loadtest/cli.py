@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import workloads as wl
-from loadtest.report import summary_table, write_report
+from loadtest.report import failure_line, summary_table, write_report
 from loadtest.runner import (
     CLIENT_POLICIES,
     GATEWAY_POLICIES,
@@ -548,11 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     out = write_report(results, _out_dir(args, args.command), title=args.title)
+    failures = failure_line(results)  # 4xx, 5xx, broken or lost: the run is not a result
+    if failures:
+        print(failures, file=sys.stderr, flush=True)
     if not args.quiet:
         print(summary_table(results))
         print(f"\nreport: {out / 'summary.md'}")
-    lost = sum(r.lost for r in results)
-    if lost:
-        print(f"error: {lost} request(s) lost (sent without any response)", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failures else 0

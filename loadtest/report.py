@@ -42,6 +42,28 @@ def _short(url: str) -> str:
     return url.replace("http://", "").replace("https://", "")
 
 
+def failure_line(results: Sequence[RunResult]) -> str | None:
+    """One line saying how many requests failed and why (the commonest reasons first), or
+    None when every sent request completed."""
+    failed = [r for res in results for r in res.failed]
+    if not failed:
+        return None
+    sent = sum(res.sent for res in results)
+    reasons: Counter[str] = Counter()
+    for r in failed:
+        if r.status is None:
+            kind = f"lost ({(r.error or 'no response').split(':')[0]})"
+        elif r.status != 200:
+            kind = f"HTTP {r.status}"
+        else:
+            kind = "broken stream"
+        why = (r.error or "").strip().splitlines()[0][:120] if r.error else ""
+        reasons[f"{kind}: {why}" if why and r.status is not None else kind] += 1
+    shown = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(3))
+    more = f"; {len(reasons) - 3} other reasons" if len(reasons) > 3 else ""
+    return f"error: {len(failed)} of {sent} requests failed: {shown}{more}"
+
+
 def summary_table(results: Sequence[RunResult]) -> str:
     head = (
         "| run | sent | ok | lost | errors | fleet hit | ideal hit | fleet/ideal | "

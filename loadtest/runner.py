@@ -335,6 +335,12 @@ class RunResult:
         return dict(sorted(c.items()))
 
     @property
+    def failed(self) -> list[RequestRecord]:
+        """Sent requests that did not complete: a 4xx/5xx, a broken stream or no response.
+        No workload asks for failures, so each one is a finding."""
+        return [r for r in self.records if r.sent_s is not None and not r.ok]
+
+    @property
     def fleet_hit_rate(self) -> float | None:
         return ms.fleet_hit_rate(self.replica_deltas)
 

@@ -146,6 +146,14 @@ class Config:
         "Content-Length counts as max_body_bytes); beyond it new requests get a 503",
     )
     max_prompt_chars: int = _opt(4_000_000, "largest rendered prompt, in characters")
+    # -- request-body limits (router/limits.py: checked before any recursive work)
+    max_json_depth: int = _opt(64, "deepest JSON nesting accepted inside any field of a body")
+    max_json_nodes: int = _opt(1_000_000, "most JSON values (objects, arrays, scalars) in a body")
+    max_string_chars: int = _opt(8 * 1024 * 1024, "longest JSON string (or key) in a body")
+    max_messages: int = _opt(20_000, "most messages in a chat request")
+    max_content_parts: int = _opt(1_024, "most content parts in one message")
+    max_tools: int = _opt(512, "most tools in a request (or in one message)")
+    max_template_kwargs: int = _opt(256, "most keys in chat_template_kwargs")
     decision_headers: bool = _opt(
         True, "add x-prefix-router-replica and x-prefix-router-cached-blocks to responses"
     )
@@ -223,6 +231,17 @@ class Config:
                 f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})"
             )
+        for name in (
+            "max_json_depth",
+            "max_json_nodes",
+            "max_string_chars",
+            "max_messages",
+            "max_content_parts",
+            "max_tools",
+            "max_template_kwargs",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.load_bound < 1.0:

@@ -30,6 +30,7 @@ from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
 from router.forward import Outcome, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
+from router.limits import BodyLimits, check_fits
 from router.loading import load_renderer
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
@@ -77,6 +78,7 @@ class Gateway:
         self.renderer = renderer
         self.metrics = Metrics()
         self.tenancy = Tenancy(config)
+        self.limits = BodyLimits.from_config(config)
         self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
         self.ring = HashRing(virtual_nodes=config.virtual_nodes)
         self.policy = from_config(config, self.ring)  # config.schedule + the policy flags
@@ -153,6 +155,10 @@ class Gateway:
             except BaseException:
                 await self.stop()  # exit cleanly: no half-open sessions or tasks left behind
                 raise
+        # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.renderer.max_chars_per_token
+        )
         log.info(
             "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
             len(self.fleet.replicas),
@@ -287,7 +293,7 @@ class Gateway:
         """Parse the body, check that some replica serves its model, and decide its salt:
         everything that comes before tokenizing. A request for a model nobody serves is
         refused here, so it cannot be used to time the tokenizer's caches for free."""
-        body = parse_body(raw, endpoint)
+        body = parse_body(raw, endpoint, self.limits)
         model = body.get("model")
         fleet = self.fleet
         if model is None:
@@ -295,6 +301,9 @@ class Gateway:
         if fleet is not None:
             self._serving(model)
         lora = model if fleet and fleet.adapter_parent(model) else None
+        if fleet is not None:  # what cannot fit the context is refused before rendering
+            card = fleet.models().get(model) or {}
+            check_fits(body, card.get("max_model_len"), self._renderer().max_chars_per_token())
         salt = self.tenancy.salt(
             tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
         )

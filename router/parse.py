@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from router.errors import bad_request
+from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
 from router.request import Endpoint
 
 
@@ -26,9 +27,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+def parse_body(
+    raw: bytes, endpoint: Endpoint, limits: BodyLimits = DEFAULT_LIMITS
+) -> dict[str, Any]:
     """Validate the fields routing reads; everything else is forwarded untouched."""
     body = parse_json_object(raw)
+    check_body(body, limits)  # bounded shapes first: what follows recurses
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")

@@ -15,7 +15,7 @@ from loadtest import workloads as wl
 from loadtest.cli import main as cli_main
 from loadtest.metrics_scrape import scrape_all
 from loadtest.replica import SimConfig, run_replicas
-from loadtest.report import write_report
+from loadtest.report import failure_line, write_report
 from loadtest.runner import REPLICA_HEADER, ClientTarget, GatewayTarget, run_workload
 
 # fast, but not instant: requests overlap and TTFT is not zero
@@ -160,6 +160,7 @@ async def test_unanswered_requests_are_counted_as_lost():
     assert res.sent == 6 and res.lost == 3 and res.ok == 3
     assert sum(res.errors_by_status.values()) == 3
     assert any("unavailable" in x for x in res.warnings)
+    assert failure_line([res]).startswith("error: 3 of 6 requests failed: 3 x lost (")
 
 
 async def test_gateway_target_takes_the_replica_from_the_response_header():
@@ -253,3 +254,38 @@ def test_cli_run_and_compare_with_simulated_replicas(tmp_path):
     assert all(r["lost"] == 0 and r["sent"] == 6 for r in runs)
     with pytest.raises(SystemExit):
         cli_main(["run", "--workload", "preamble", "--quiet"])  # no target given
+
+
+def test_cli_run_fails_when_requests_fail(tmp_path, capsys):
+    """A model-name mismatch: every request is a 404. The run exits 1 and says how many
+    failed and why, in one line before the table (it used to exit 0: nothing was lost)."""
+    args = [
+        "run",
+        "--workload",
+        "prefix_repetition",
+        "--num-prefixes",
+        "2",
+        "--suffixes-per-prefix",
+        "3",
+        "--prefix-len",
+        "16",
+        "--suffix-len",
+        "8",
+        "--output-len",
+        "2",
+        "--sim",
+        "1",
+        "--sim-instant",
+        "--model",
+        "no-such-model",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    assert cli_main(args) == 1
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert (
+        line
+        == "error: 6 of 6 requests failed: 6 x HTTP 404: The model `no-such-model` does not exist."
+    )
+    assert "| round_robin |" in out  # the table still follows

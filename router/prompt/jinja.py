@@ -9,6 +9,7 @@ output fixed to what the vLLM 0.34.0 oracle's transformers did: later releases c
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from collections.abc import Iterator
 from datetime import datetime
@@ -21,6 +22,8 @@ import jinja2.nodes
 import jinja2.sandbox
 
 ContentFormat = Literal["string", "openai"]
+
+log = logging.getLogger("router.prompt.jinja")
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -108,7 +111,9 @@ def template_error_reason(exc: BaseException) -> str:
         if isinstance(current, jinja2.TemplateError):
             return str(current)
         current = current.__cause__ or current.__context__
-    return str(exc) or type(exc).__name__
+    # Anything else is Python's own text (a TypeError naming internals): logged, not echoed.
+    log.debug("chat template failed: %s: %.300s", type(exc).__name__, exc)
+    return "a value in the request has a type or shape the template cannot render"
 
 
 # --------------------------------------------------------------------------------------------

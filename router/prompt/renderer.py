@@ -116,6 +116,11 @@ class Renderer:
     def max_prompt_chars(self) -> int:
         return self._limits.max_prompt_chars
 
+    def max_chars_per_token(self) -> int:
+        """The longest token string in the vocabulary (vLLM's ``max_chars_per_token``): a
+        text of n characters is at least n / this many tokens. Scans the vocabulary once."""
+        return self._limits._max_chars_per_token()
+
     @property
     def max_model_len(self) -> int | None:
         return self._limits.max_model_len
