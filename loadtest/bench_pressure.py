@@ -24,7 +24,7 @@ from loadtest.pressure_sim import FleetParams, RunResult, Sim
 from router.schedule import policy_names
 
 BASELINE = "sticky_prefix"
-DEFAULT_POLICIES = ("ttft", "sticky_prefix", "round_robin")
+DEFAULT_POLICIES = ("ttft", "sticky_prefix", "round_robin", "ring_spill")
 
 
 @dataclass
