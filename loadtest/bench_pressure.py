@@ -39,6 +39,7 @@ class Row:
     spills: int
     evictions: int
     requests: int
+    per_seed: list[tuple[float, float]]  # (hit/ideal, p99 s) of each seed
 
 
 def pool(results: Sequence[RunResult]) -> Row:
@@ -63,7 +64,16 @@ def pool(results: Sequence[RunResult]) -> Row:
         sum(r.reasons.get("spill", 0) for r in results),
         sum(r.evictions for r in results),
         len(ttft),
+        [(_hit_over_ideal(r), _p99(r)) for r in results],
     )
+
+
+def _hit_over_ideal(r: RunResult) -> float:
+    return r.hits / r.queries / (r.ideal_hits / r.ideal_queries)
+
+
+def _p99(r: RunResult) -> float:
+    return float(np.percentile([q.t_first - q.t_send for q in r.reqs], 99))
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -80,6 +90,10 @@ def table(rows: Sequence[Row]) -> str:
             f"{r.policy:<16}{r.hit_over_ideal:>9.1%}{r.hit_rate:>7.1%}{r.p50:>8.2f}{r.p90:>8.2f}"
             f"{r.p99:>8.2f}{r.balance:>9.2f}{r.spills:>8}{r.evictions:>9}{rh:>11}{rp:>11}"
         )
+    lines.append("per seed (hit/ideal, p99 s):")
+    for r in rows:
+        seeds = "  ".join(f"{h:.1%} {p:.2f}" for h, p in r.per_seed)
+        lines.append(f"  {r.policy:<14}{seeds}")
     return "\n".join(lines)
 
 
@@ -97,7 +111,8 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m loadtest.bench_pressure",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, pooled (default 3)")
     ap.add_argument(
@@ -107,7 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=1024, help="KV blocks per replica")
-    ap.add_argument("--prefill-tps", type=float, default=500.0, help="prefill tokens/s")
+    ap.add_argument("--prefill-tps", type=float, default=1500.0, help="prefill tokens/s")
+    ap.add_argument(
+        "--decode-cost",
+        type=float,
+        default=4.0,
+        help="replica time one output token takes, in prefill tokens (decode load)",
+    )
     ap.add_argument("--tpot", type=float, default=0.02, help="seconds per output token")
     ap.add_argument("--tenants", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=480)
@@ -122,13 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         tenants=a.tenants, conversations=a.conversations, rate=a.rate, tenant_skew=a.skew
     )
     fp = FleetParams(
-        replicas=a.replicas, num_blocks=a.blocks, prefill_tps=a.prefill_tps, tpot_s=a.tpot
+        replicas=a.replicas,
+        num_blocks=a.blocks,
+        prefill_tps=a.prefill_tps,
+        tpot_s=a.tpot,
+        decode_cost_tokens=a.decode_cost,
     )
     t0 = time.process_time()
     rows = run(policies, range(a.seeds), wp, fp)
     print(
         f"pressure: {a.replicas} replicas x {a.blocks} blocks x 16 tokens, prefill "
-        f"{a.prefill_tps:g} tok/s, {a.tenants} tenants Zipf {a.skew}, {a.conversations} "
+        f"{a.prefill_tps:g} tok/s (decode {a.decode_cost:g} tok-eq/token), {a.tenants} tenants Zipf {a.skew}, {a.conversations} "
         f"4-turn conversations at {a.rate}/s; seeds 0..{a.seeds - 1} pooled"
     )
     print(table(rows))

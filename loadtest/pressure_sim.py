@@ -5,6 +5,9 @@ traffic in seconds. Each replica is a compact vLLM model:
 
 - a prefill FIFO served at ``prefill_tps`` tokens/s (uncached tokens only), one at a time;
 - decode after the first token at ``tpot_s`` per output token, all running requests at once;
+  its compute shares the replica with prefill (vLLM batches both in one step): each output
+  token costs ``decode_cost_tokens`` prefill tokens of the replica's time, taken from the next
+  prefill unless the replica sat idle long enough to absorb it;
 - a block pool of ``num_blocks`` blocks of ``block_size`` tokens with vLLM's rules: only full
   blocks are cached, keyed by ``router.blocks`` chained hashes; a hit is the longest cached run
   from block 0, capped at ``num_tokens - 1``; blocks of running requests are pinned; freed
@@ -52,8 +55,9 @@ class FleetParams:
     replicas: int = 8
     num_blocks: int = 1024
     block_size: int = 16
-    prefill_tps: float = 500.0
+    prefill_tps: float = 1500.0
     tpot_s: float = 0.02
+    decode_cost_tokens: float = 4.0  # replica time an output token takes, in prefill tokens
 
 
 @dataclass
@@ -156,6 +160,8 @@ class SimReplica:
         self.queue: list[Req] = []  # FIFO waiting for prefill
         self.busy_until: float | None = None  # prefill in progress
         self.running = 0
+        self.debt = 0.0  # decode work not yet absorbed, in prefill tokens
+        self.idle_since = 0.0
         # the gateway's view
         self.inflight = 0
         self.pending_prefill_tokens = 0
@@ -269,7 +275,9 @@ class Sim:
         rep.queue.pop(0)
         rep.hits += r.hit_blocks * self.fp.block_size
         rep.queries += len(r.prompt)
-        work = len(r.prompt) - r.hit_blocks * self.fp.block_size
+        absorbed = (self.now - rep.idle_since) * self.fp.prefill_tps
+        work = len(r.prompt) - r.hit_blocks * self.fp.block_size + max(0.0, rep.debt - absorbed)
+        rep.debt = 0.0
         rep.busy_until = self.now + work / self.fp.prefill_tps
         self.at(rep.busy_until, "first", r)
 
@@ -277,6 +285,8 @@ class Sim:
         rep = self.replicas[r.replica]
         r.t_first = self.now
         rep.busy_until = None
+        rep.idle_since = self.now
+        rep.debt += len(r.output) * self.fp.decode_cost_tokens
         rep.pending_prefill_tokens -= r.uncached_predicted
         rep.pool.cache(r, r.hashes[r.hit_blocks :])
         rep.running += 1

@@ -101,7 +101,7 @@ class RingSpillPolicy:
     """ttft's cost terms without its share bounds, picked by ``ring_spill``: a prefix stays on
     its holders until their queues pass the cap, then spills along its own ring."""
 
-    queue_cap_tokens: float = 1536.0
+    queue_cap_tokens: float = 1024.0
     decode_cost_tokens: float = 8.0
 
     def profile(self) -> ProfileSpec:
