@@ -65,6 +65,9 @@ class RingSpill:
                 owner,
             )
         most = max(s.matched_blocks for s in scored)
+        held = [u for u in order if eligible[u].matched_blocks == best]
+        # Where the prefix's replica set stands: how many hold it, at which ring positions.
+        note = f" [held by {len(held)} at ring positions {','.join(str(pos[u]) for u in held)}]"
         for u in order:
             if eligible[u].matched_blocks == best and pending[u] <= self.cap:
                 reason = "prefix" if best == most else "spill"
@@ -72,7 +75,7 @@ class RingSpill:
                     u,
                     reason,
                     f"holds the prefix, queue {pending[u]} <= cap "
-                    f"{self.cap:.0f}; ring position {pos[u]}",
+                    f"{self.cap:.0f}; ring position {pos[u]}" + note,
                     owner,
                 )
         stay = min(
@@ -87,12 +90,12 @@ class RingSpill:
                     f"position {pos[u]}"
                 )
                 reason = "prefix" if eligible[u].matched_blocks == most else "spill"
-                return Pick(u, reason, why, owner)
+                return Pick(u, reason, why + note, owner)
         reason = "prefix" if stay.matched_blocks == most else "spill"
         why = (
             f"holders are over the cap {self.cap:.0f} but no spill saves more: the cheapest holder"
         )
-        return Pick(stay.url, reason, why, owner)
+        return Pick(stay.url, reason, why + note, owner)
 
 
 @registry.policy("ring_spill")

@@ -65,7 +65,16 @@ def test_over_the_cap_spills_to_the_next_on_the_ring_not_the_cheapest():
     d = _policy().choose(r, cands)
     assert (d.replica, d.reason) == (ring[1], "spill")
     assert "next on the prefix's ring, position 1" in d.why
+    assert "held by 1 at ring positions 0" in d.why
     assert build_named("ttft", HashRing(URLS)).choose(r, cands).replica == ring[3]
+    # The copy is made: the next request finds two holders and, under the cap, takes the
+    # first on the ring that is.
+    cands[URLS.index(ring[1])] = Candidate(  # cands are in URL order
+        ring[1], matched_blocks=40, pending_prefill_tokens=740
+    )
+    d = _policy().choose(r, cands)
+    assert (d.replica, d.reason) == (ring[1], "prefix")
+    assert "held by 2 at ring positions 0,1" in d.why
 
 
 def test_over_the_cap_stays_when_no_spill_saves_more_than_the_cap():
