@@ -280,6 +280,11 @@ def workload_kwargs(args: argparse.Namespace, position: str | None = None) -> di
         put("max_output_tokens", args.max_output_tokens)
         put("max_input_tokens", args.max_input_tokens)
         put("max_requests", args.max_requests)
+    elif name == "pressure":
+        put("tenants", args.tenants)
+        put("conversations", args.conversations)
+        put("rate", args.rate)
+        put("tenant_skew", args.tenant_skew)
     elif name == "prefix_repetition":
         put("num_prefixes", args.num_prefixes)
         put("suffixes_per_prefix", args.suffixes_per_prefix)

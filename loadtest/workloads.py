@@ -22,6 +22,9 @@ Workloads:
   arrivals, multi-turn conversations that send the server's answers back, think time between
   turns, Zipf-skewed tenant popularity.
 - :func:`trace` -- Mooncake (FAST'25) trace replay with token-id prompts on /v1/completions.
+- :func:`pressure` -- issue 15's scenario (many tenants, one hot, long system prompts; see
+  ``loadtest.pressure``), token-id prompts; ``python -m loadtest.bench_pressure`` replays it in
+  simulated time.
 - :func:`prefix_repetition` -- N prefixes x M suffixes, like ``vllm bench serve --dataset-name
   prefix_repetition``. Flatters hit rates (see the warning it carries).
 """
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.pressure import PressureParams, pressure_workload
 from loadtest.spec import (
     DEFAULT_MODEL,
     Endpoint,
@@ -61,12 +65,13 @@ __all__ = [
     "multi_tenant",
     "preamble",
     "prefix_repetition",
+    "pressure",
     "tenant_system_prompt",
     "trace",
 ]
 
 PREAMBLE_POSITIONS = ("first", "after_system", "last")
-WORKLOADS = ("preamble", "multi_tenant", "trace", "prefix_repetition")
+WORKLOADS = ("preamble", "multi_tenant", "trace", "prefix_repetition", "pressure")
 
 
 def _rng(seed: int, *parts: object) -> random.Random:
@@ -526,16 +531,26 @@ def _one_shot(
 
 
 # ---------------------------------------------------------------------------------------------
+# pressure (implemented in loadtest.pressure)
+
+
+def pressure(*, model: str = DEFAULT_MODEL, **kwargs: Any) -> Workload:
+    """Issue 15's scenario; ``kwargs`` are :class:`loadtest.pressure.PressureParams` fields."""
+    return pressure_workload(PressureParams(**kwargs), model)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def build(name: str, **kwargs: Any) -> Workload:
     """Build a workload by name (``preamble``, ``multi_tenant``, ``trace``,
-    ``prefix_repetition``); ``kwargs`` go to its constructor."""
+    ``prefix_repetition``, ``pressure``); ``kwargs`` go to its constructor."""
     makers: dict[str, Callable[..., Workload]] = {
         "preamble": preamble,
         "multi_tenant": multi_tenant,
         "trace": trace,
         "prefix_repetition": prefix_repetition,
+        "pressure": pressure,
     }
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

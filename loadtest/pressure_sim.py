@@ -1,0 +1,330 @@
+"""A discrete-event simulation of a fleet under the router's real scheduling pipeline.
+
+No HTTP and no asyncio: a virtual clock and a heap of events, so two cores replay minutes of
+traffic in seconds. Each replica is a compact vLLM model:
+
+- a prefill FIFO served at ``prefill_tps`` tokens/s (uncached tokens only), one at a time;
+- decode after the first token at ``tpot_s`` per output token, all running requests at once;
+  its compute shares the replica with prefill (vLLM batches both in one step): each output
+  token costs ``decode_cost_tokens`` prefill tokens of the replica's time, taken from the next
+  prefill unless the replica sat idle long enough to absorb it;
+- a block pool of ``num_blocks`` blocks of ``block_size`` tokens with vLLM's rules: only full
+  blocks are cached, keyed by ``router.blocks`` chained hashes; a hit is the longest cached run
+  from block 0, capped at ``num_tokens - 1``; blocks of running requests are pinned; freed
+  blocks join an LRU free queue tail-first and allocation evicts from its head; a request
+  whose blocks do not fit waits at the head of the FIFO;
+- on finish the full blocks of prompt + output (minus the last sampled token) are cached.
+
+The router side is what the gateway does: a ``MemoryIndex`` (capacity = the pool) fed with the
+prompt's blocks at placement, ``Candidate``s built like ``Replica.candidate`` (matched blocks,
+in flight, pending prefill tokens until the first token; the scraped gauges read live), and the
+real pipeline deciding, its decayed history on the virtual clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from loadtest.ideal import IdealRequest, ideal_hit_rate
+from loadtest.pressure import Conversation
+from router.blocks import block_hashes, cacheable_blocks
+from router.index.memory import MemoryIndex
+from router.request import RoutedRequest
+from router.schedule import Candidate, Decision, HashRing, Pipeline, build_named
+from router.schedule.recent import RecentCounts
+
+T = TypeVar("T")
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Drive a coroutine that never suspends (MemoryIndex's methods) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as e:
+        return e.value  # type: ignore[no-any-return]
+    raise RuntimeError("coroutine suspended")
+
+
+@dataclass(frozen=True)
+class FleetParams:
+    replicas: int = 8
+    num_blocks: int = 1024
+    block_size: int = 16
+    prefill_tps: float = 1500.0
+    tpot_s: float = 0.02
+    decode_cost_tokens: float = 4.0  # replica time an output token takes, in prefill tokens
+
+
+@dataclass
+class Req:
+    conv: int
+    turn: int
+    prompt: Sequence[int]
+    output: Sequence[int]
+    hashes: list[int]  # the prompt's full blocks
+    t_send: float = 0.0
+    replica: str = ""
+    decision: Decision | None = None
+    uncached_predicted: int = 0
+    hit_blocks: int = 0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    refs: list[int] = field(default_factory=list)  # cached hashes it pins
+    private: int = 0  # blocks it holds that carry no hash
+
+
+class Pool:
+    """Block accounting with vLLM's caching and eviction rules (see the module docstring)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blank = num_blocks  # free blocks with no hash
+        self.free: OrderedDict[int, None] = OrderedDict()  # cached, unpinned, LRU first
+        self.pinned: dict[int, int] = {}  # cached hash -> requests pinning it
+        self.evictions = 0
+
+    def cached(self, h: int) -> bool:
+        return h in self.pinned or h in self.free
+
+    def hit(self, hashes: Sequence[int], limit: int) -> int:
+        n = 0
+        for h in hashes[:limit]:
+            if not self.cached(h):
+                break
+            n += 1
+        return n
+
+    def admit(self, r: Req, block_size: int) -> bool:
+        """Pin the hit and allocate the rest (prompt + output); False if it does not fit."""
+        limit = cacheable_blocks(len(r.prompt), block_size)
+        hit = self.hit(r.hashes, limit)
+        total = -(-(len(r.prompt) + len(r.output)) // block_size)
+        need = total - hit
+        from_free = sum(1 for h in r.hashes[:hit] if h in self.free)
+        if self.blank + len(self.free) - from_free < need:
+            return False
+        for h in r.hashes[:hit]:
+            self._pin(h)
+        r.refs = list(r.hashes[:hit])
+        take = min(need, self.blank)
+        self.blank -= take
+        for _ in range(need - take):
+            self.free.popitem(last=False)
+            self.evictions += 1
+        r.private = need
+        r.hit_blocks = hit
+        return True
+
+    def _pin(self, h: int) -> None:
+        if h in self.free:
+            del self.free[h]
+            self.pinned[h] = 1
+        else:
+            self.pinned[h] = self.pinned.get(h, 0) + 1
+
+    def cache(self, r: Req, hashes: Sequence[int]) -> None:
+        """``r``'s private blocks now hold ``hashes`` (computed)."""
+        for h in hashes:
+            if r.private == 0:
+                return
+            if self.cached(h):
+                continue  # someone computed it too: this copy stays private
+            self.pinned[h] = 1
+            r.refs.append(h)
+            r.private -= 1
+
+    def release(self, r: Req) -> None:
+        for h in reversed(r.refs):  # tail first: block 0 ends most recent
+            n = self.pinned[h] - 1
+            if n:
+                self.pinned[h] = n
+            else:
+                del self.pinned[h]
+                self.free[h] = None
+        self.blank += r.private
+        r.refs, r.private = [], 0
+
+    def used(self) -> int:
+        return len(self.pinned)
+
+
+class SimReplica:
+    def __init__(self, url: str, fp: FleetParams) -> None:
+        self.url = url
+        self.fp = fp
+        self.pool = Pool(fp.num_blocks)
+        self.queue: list[Req] = []  # FIFO waiting for prefill
+        self.busy_until: float | None = None  # prefill in progress
+        self.running = 0
+        self.debt = 0.0  # decode work not yet absorbed, in prefill tokens
+        self.idle_since = 0.0
+        # the gateway's view
+        self.inflight = 0
+        self.pending_prefill_tokens = 0
+        self.placed = 0
+        self.hits = 0
+        self.queries = 0
+
+    def candidate(self, matched_blocks: int) -> Candidate:
+        return Candidate(
+            url=self.url,
+            matched_blocks=matched_blocks,
+            inflight=self.inflight,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            waiting=len(self.queue),
+            running=self.running,
+            kv_usage=self.pool.used() / self.fp.num_blocks,
+        )
+
+
+@dataclass
+class RunResult:
+    policy: str
+    reqs: list[Req]
+    per_replica: dict[str, int]
+    reasons: dict[str, int]
+    hits: int
+    queries: int
+    evictions: int
+    ideal_hits: int
+    ideal_queries: int
+    horizon_s: float
+
+
+class Sim:
+    def __init__(
+        self,
+        convs: Sequence[Conversation],
+        policy: str | Pipeline,
+        fp: FleetParams = FleetParams(),
+    ) -> None:
+        self.fp = fp
+        self.now = 0.0
+        self.urls = [f"http://sim-{i}:8000" for i in range(fp.replicas)]
+        self.replicas = {u: SimReplica(u, fp) for u in self.urls}
+        if isinstance(policy, str):
+            policy = build_named(policy, HashRing(self.urls))
+        self.policy = policy
+        self.policy.recent = RecentCounts(clock=lambda: self.now)
+        self.index = MemoryIndex(fp.num_blocks)
+        for u in self.urls:
+            run_sync(self.index.set_capacity(u, fp.num_blocks))
+        self.convs = convs
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = itertools.count()
+        self.done: list[Req] = []
+        self.reasons: dict[str, int] = {}
+
+    def at(self, t: float, kind: str, obj: Any) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, obj))
+
+    def run(self) -> RunResult:
+        for ci, c in enumerate(self.convs):
+            self.at(c.start_s, "send", (ci, 0))
+        while self.events:
+            self.now, _, kind, obj = heapq.heappop(self.events)
+            getattr(self, "_" + kind)(obj)
+        return self._result()
+
+    # -- events ------------------------------------------------------------------------------
+    def _send(self, key: tuple[int, int]) -> None:
+        ci, k = key
+        turn = self.convs[ci].turns[k]
+        bs = self.fp.block_size
+        r = Req(ci, k, turn.prompt, turn.output, block_hashes(turn.prompt, bs), self.now)
+        rr = RoutedRequest(
+            request_id=f"{ci}-{k}",
+            endpoint="completions",
+            model="m",
+            tenant="default",
+            body={},
+            stream=True,
+            token_ids=turn.prompt,
+            block_size=bs,
+            block_hashes=r.hashes,
+        )
+        matched = (
+            run_sync(self.index.match(r.hashes, self.urls))
+            if self.policy.uses_index
+            else dict.fromkeys(self.urls, 0)
+        )
+        cands = [self.replicas[u].candidate(matched[u]) for u in self.urls]
+        d = self.policy.choose(rr, cands)
+        self.policy.placed(d)
+        run_sync(self.index.record(d.replica, r.hashes))
+        rep = self.replicas[d.replica]
+        r.replica, r.decision = d.replica, d
+        r.uncached_predicted = max(0, len(r.prompt) - d.matched_blocks * bs)
+        rep.inflight += 1
+        rep.pending_prefill_tokens += r.uncached_predicted
+        rep.placed += 1
+        self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
+        rep.queue.append(r)
+        self._start_prefill(rep)
+
+    def _start_prefill(self, rep: SimReplica) -> None:
+        if rep.busy_until is not None or not rep.queue:
+            return
+        r = rep.queue[0]
+        if not rep.pool.admit(r, self.fp.block_size):
+            return  # waits for blocks; retried when a request finishes
+        rep.queue.pop(0)
+        rep.hits += r.hit_blocks * self.fp.block_size
+        rep.queries += len(r.prompt)
+        absorbed = (self.now - rep.idle_since) * self.fp.prefill_tps
+        work = len(r.prompt) - r.hit_blocks * self.fp.block_size + max(0.0, rep.debt - absorbed)
+        rep.debt = 0.0
+        rep.busy_until = self.now + work / self.fp.prefill_tps
+        self.at(rep.busy_until, "first", r)
+
+    def _first(self, r: Req) -> None:
+        rep = self.replicas[r.replica]
+        r.t_first = self.now
+        rep.busy_until = None
+        rep.idle_since = self.now
+        rep.debt += len(r.output) * self.fp.decode_cost_tokens
+        rep.pending_prefill_tokens -= r.uncached_predicted
+        rep.pool.cache(r, r.hashes[r.hit_blocks :])
+        rep.running += 1
+        self.at(self.now + len(r.output) * self.fp.tpot_s, "finish", r)
+        self._start_prefill(rep)
+
+    def _finish(self, r: Req) -> None:
+        rep = self.replicas[r.replica]
+        r.t_end = self.now
+        ids = list(r.prompt) + list(r.output)
+        bs = self.fp.block_size
+        n_out = (len(ids) - 1) // bs
+        full = block_hashes(ids, bs, max_blocks=n_out)
+        rep.pool.cache(r, full[len(r.hashes) :])
+        rep.pool.release(r)
+        rep.running -= 1
+        rep.inflight -= 1
+        self.done.append(r)
+        conv = self.convs[r.conv]
+        if r.turn + 1 < len(conv.turns):
+            self.at(self.now + conv.turns[r.turn + 1].think_s, "send", (r.conv, r.turn + 1))
+        self._start_prefill(rep)
+
+    def _result(self) -> RunResult:
+        ideal = ideal_hit_rate(
+            [IdealRequest(r.t_send, r.prompt, r.t_end, r.output) for r in self.done],
+            self.fp.block_size,
+        )
+        reps = self.replicas.values()
+        return RunResult(
+            policy=self.policy.name,
+            reqs=self.done,
+            per_replica={u: rep.placed for u, rep in self.replicas.items()},
+            reasons=dict(self.reasons),
+            hits=sum(r.hits for r in reps),
+            queries=sum(r.queries for r in reps),
+            evictions=sum(r.pool.evictions for r in reps),
+            ideal_hits=ideal.hits,
+            ideal_queries=ideal.queries,
+            horizon_s=self.now,
+        )

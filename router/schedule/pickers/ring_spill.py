@@ -1,0 +1,119 @@
+"""Bounded-queue spill along the prefix's own ring: the copies a spill makes are reused.
+
+The prefix's ring order (from block 0's hash: a tenant's system prompt) is its replica list.
+A request goes to the first replica in that order that holds the longest prefix and whose
+queue (prompt tokens sent, no first byte yet) is within ``queue_cap_tokens``; if every holder
+is over the cap, to the first replica in ring order whose estimated cost (the scorers') is
+below the cheapest holder's by more than the cap (the spill must pay for the copy it makes),
+else it stays on the cheapest holder. So a hot tenant spills to
+the next replica on its ring, which then holds the copy the following spills reuse, instead of
+seeding copies wherever a queue happens to be short. When everyone is over the cap, the least
+cost. A prefix nobody holds goes to the replica with the shortest queue (ties by ring), so cold
+tenants spread, then stay where they landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.schedule import registry
+from router.schedule.keys import routing_key
+from router.schedule.registry import PluginSpec, ProfileSpec
+from router.schedule.types import Cycle, Pick, ScoredCandidate
+
+
+@registry.picker("ring_spill")
+class RingSpill:
+    """Invariant: with some eligible holder, the first eligible holder of the longest held
+    prefix in ring order (block 0's key) whose pending prefill tokens are <= the cap
+    (``prefix``); else the first eligible candidate in ring order whose cost is below the
+    cheapest holder's by more than the cap (``spill``); else that cheapest holder. With no holder,
+    the eligible candidate with the fewest pending tokens, then in flight, then ring order
+    (``ring``). ``why`` names the ring position and the queues."""
+
+    @dataclass(frozen=True)
+    class Params:
+        queue_cap_tokens: float = 1024.0  # queued prompt tokens a replica may carry
+
+        def __post_init__(self) -> None:
+            if self.queue_cap_tokens < 0:
+                raise ValueError(f"queue_cap_tokens must be >= 0, got {self.queue_cap_tokens}")
+
+    name = "ring_spill"
+    uses_index = True
+
+    def __init__(self, params: Params) -> None:
+        self.cap = params.queue_cap_tokens
+
+    def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
+        pending = {c.url: c.pending_prefill_tokens for c in cycle.candidates}
+        inflight = {c.url: c.inflight for c in cycle.candidates}
+        eligible = {s.url: s for s in scored if s.filtered is None}
+        order = [u for u in cycle.ring.walk(routing_key(cycle.req)) if u in eligible]
+        order += sorted(set(eligible) - set(order))  # not on the ring yet
+        pos = {u: i for i, u in enumerate(order)}
+        owner = order[0]
+        best = max(s.matched_blocks for s in eligible.values())
+        if best == 0:
+            u = min(order, key=lambda u: (pending[u], inflight[u], pos[u]))
+            return Pick(
+                u,
+                "ring",
+                f"nobody holds this prefix: the shortest queue ({pending[u]} "
+                f"tokens), ring position {pos[u]}",
+                owner,
+            )
+        most = max(s.matched_blocks for s in scored)
+        held = [u for u in order if eligible[u].matched_blocks == best]
+        # Where the prefix's replica set stands: how many hold it, at which ring positions.
+        note = f" [held by {len(held)} at ring positions {','.join(str(pos[u]) for u in held)}]"
+        for u in order:
+            if eligible[u].matched_blocks == best and pending[u] <= self.cap:
+                reason = "prefix" if best == most else "spill"
+                return Pick(
+                    u,
+                    reason,
+                    f"holds the prefix, queue {pending[u]} <= cap "
+                    f"{self.cap:.0f}; ring position {pos[u]}" + note,
+                    owner,
+                )
+        stay = min(
+            (s for s in eligible.values() if s.matched_blocks == best),
+            key=lambda s: (s.cost, pos[s.url]),
+        )
+        for u in order:  # spill only where it saves more than the cap, in ring order
+            if eligible[u].cost + self.cap < stay.cost:
+                why = (
+                    f"every holder's queue is over the cap {self.cap:.0f} and this saves "
+                    f"{stay.cost - eligible[u].cost:.0f} tokens: next on the prefix's ring, "
+                    f"position {pos[u]}"
+                )
+                reason = "prefix" if eligible[u].matched_blocks == most else "spill"
+                return Pick(u, reason, why + note, owner)
+        reason = "prefix" if stay.matched_blocks == most else "spill"
+        why = (
+            f"holders are over the cap {self.cap:.0f} but no spill saves more: the cheapest holder"
+        )
+        return Pick(stay.url, reason, why + note, owner)
+
+
+@registry.policy("ring_spill")
+@dataclass(frozen=True)
+class RingSpillPolicy:
+    """ttft's cost terms without its share bounds, picked by ``ring_spill``: a prefix stays on
+    its holders until their queues pass the cap, then spills along its own ring."""
+
+    queue_cap_tokens: float = 1024.0
+    decode_cost_tokens: float = 8.0
+
+    def profile(self) -> ProfileSpec:
+        return ProfileSpec(
+            (),
+            (
+                PluginSpec("uncached_prefill"),
+                PluginSpec("queued_tokens"),
+                PluginSpec("inflight", weight=self.decode_cost_tokens),
+            ),
+            PluginSpec("ring_spill", {"queue_cap_tokens": self.queue_cap_tokens}),
+        )

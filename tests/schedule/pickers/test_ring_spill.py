@@ -1,0 +1,94 @@
+"""ring_spill on small constructed fleets: stay on holders under the cap, spill along the
+prefix's ring only when it saves more than the cap, spread cold prefixes by queue."""
+
+from __future__ import annotations
+
+from router.schedule import Candidate, HashRing, build_named
+from router.schedule.keys import routing_key
+from tests.schedule.common import req
+
+URLS = ["a", "b", "c", "d"]
+CAP = 1536
+
+
+def _policy():
+    return build_named("ring_spill", HashRing(URLS), {"queue_cap_tokens": CAP})
+
+
+def _ring(r) -> list[str]:
+    return list(HashRing(URLS).walk(routing_key(r)))
+
+
+def test_cold_prefix_goes_to_the_shortest_queue_not_the_ring_owner():
+    r = req(640, first=3)
+    owner, second, *_ = _ring(r)
+    cands = [Candidate(u, pending_prefill_tokens=0 if u == second else 500) for u in URLS]
+    d = _policy().choose(r, cands)
+    assert (d.replica, d.reason, d.ring_choice) == (second, "ring", owner)
+
+
+def test_holder_under_the_cap_keeps_the_prefix_even_when_another_is_idle():
+    r = req(640, first=3)
+    holder = _ring(r)[2]
+    cands = [
+        Candidate(u, matched_blocks=40 if u == holder else 0, pending_prefill_tokens=0)
+        for u in URLS
+    ]
+    cands = [
+        Candidate(c.url, c.matched_blocks, pending_prefill_tokens=CAP if c.url == holder else 0)
+        for c in cands
+    ]
+    d = _policy().choose(r, cands)
+    assert (d.replica, d.reason) == (holder, "prefix")
+    assert "ring position 2" in d.why
+
+
+def test_first_holder_in_ring_order_wins_among_equal_holders():
+    r = req(640, first=3)
+    ring = _ring(r)
+    holders = {ring[1], ring[3]}
+    cands = [Candidate(u, matched_blocks=40 if u in holders else 0) for u in URLS]
+    assert _policy().choose(r, cands).replica == ring[1]
+
+
+def test_over_the_cap_spills_to_the_next_on_the_ring_not_the_cheapest():
+    r = req(640, first=3)
+    ring = _ring(r)
+    # The owner holds everything but queues 5,000 tokens; ring[1] queues a little, ring[3]
+    # nothing: a cost-minimiser would take ring[3], ring_spill takes ring[1] (its copy is the
+    # one the next spills of this prefix will find).
+    queue = {ring[0]: 5000, ring[1]: 100, ring[2]: 2000, ring[3]: 0}
+    cands = [
+        Candidate(u, matched_blocks=40 if u == ring[0] else 0, pending_prefill_tokens=queue[u])
+        for u in URLS
+    ]
+    d = _policy().choose(r, cands)
+    assert (d.replica, d.reason) == (ring[1], "spill")
+    assert "next on the prefix's ring, position 1" in d.why
+    assert "held by 1 at ring positions 0" in d.why
+    assert build_named("ttft", HashRing(URLS)).choose(r, cands).replica == ring[3]
+    # The copy is made: the next request finds two holders and, under the cap, takes the
+    # first on the ring that is.
+    cands[URLS.index(ring[1])] = Candidate(  # cands are in URL order
+        ring[1], matched_blocks=40, pending_prefill_tokens=740
+    )
+    d = _policy().choose(r, cands)
+    assert (d.replica, d.reason) == (ring[1], "prefix")
+    assert "held by 2 at ring positions 0,1" in d.why
+
+
+def test_over_the_cap_stays_when_no_spill_saves_more_than_the_cap():
+    r = req(640, first=3)
+    ring = _ring(r)
+    # 2,000 queued on the holder; a non-holder would prefill 640 tokens: it saves 1,360 < cap.
+    cands = [
+        Candidate(
+            u,
+            matched_blocks=39 if u == ring[0] else 0,
+            pending_prefill_tokens=2000 if u == ring[0] else 0,
+        )
+        for u in URLS
+    ]
+    d = _policy().choose(r, cands)
+    assert (d.replica, d.reason) == (ring[0], "prefix")
+    assert "no spill saves more" in d.why
