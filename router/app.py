@@ -116,6 +116,7 @@ class Gateway:
         self.redis: Any = None  # fleet mode: the shared client, the sync task
         self.sync: Any = None
         self.discovery: Any = None  # DNS discovery of replicas, when configured
+        self.kv_events: Any = None  # precise mode: router.kv_events.KVEventSubscriber
         self._fallbacks_seen = 0
         self._receiving_bytes = 0  # bytes reserved by bodies being read right now
 
@@ -153,6 +154,10 @@ class Gateway:
         self._sync_ring()
         if self.config.block_size is None:
             self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
+        if self.config.kv_events:
+            from router.kv_events import start_for
+
+            self.kv_events = await start_for(self)  # wraps self.index
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
         if self.renderer is None:
@@ -261,6 +266,8 @@ class Gateway:
             await self.sync.stop()
         if self.fleet:
             await self.fleet.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.index.close()
         if self.redis is not None:
             await self.redis.aclose()
@@ -624,7 +631,8 @@ class Gateway:
         reported = outcome.cached_tokens
         self.metrics.reported_cached_tokens.labels(rr.tenant).inc(reported)
         self.metrics.prediction_error.observe(predicted - reported)
-        if reported == 0 and decision.matched_blocks >= 2:
+        precise = self.kv_events is not None and self.kv_events.is_up(decision.replica)
+        if reported == 0 and decision.matched_blocks >= 2 and not precise:  # events know
             # The replica held none of what we believed it held: its cache was lost (restart,
             # reset) behind our back. Forget everything we believed about it but this request.
             log.info(

@@ -111,6 +111,19 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.kv_events_up = Gauge(
+            "prefix_router_kv_events_up",
+            "1 while the replica's KV cache events keep its index exact (precise mode), 0 "
+            "while it is routed on the approximate model",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_events_errors = Counter(
+            "prefix_router_kv_events_errors",
+            "KV event messages or events not applied, by reason",
+            ["replica", "reason"],
+            registry=r,
+        )
         self.redis_up = Gauge(
             "prefix_router_redis_up",
             "1 when shared state in Redis is in use (fleet mode)",
