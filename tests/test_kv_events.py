@@ -191,6 +191,9 @@ async def test_a_dead_publisher_falls_back_to_the_approximate_model(fleet, gatew
         async with session.get(gw.url + "/metrics") as resp:
             text = await resp.text()
         assert f'prefix_router_kv_events_up{{replica="{r.url}"}} 0.0' in text
+        status, _, explained = await post(session, gw.url + "/v1/route/explain", body(1))
+        assert status == 200
+        assert [c["kv_events"]["up"] for c in explained["candidates"]] == [False]
         # Routing goes on, on placements: the second request is predicted to hit.
         b = body(1)
         s1, _, _ = await post(session, gw.url + "/v1/chat/completions", b)
@@ -392,3 +395,69 @@ def test_wire_decoding_rejects_what_it_cannot_read():
     assert salted.cache_salt() == "s3cret" and salted.lora_name == "ad1"
     (unknown,) = decode_batch(batch({"type": "Future"}))
     assert unknown == Skipped("unknown_type", "Future")
+
+
+# vLLM 0.34's own encoder (msgspec, vllm/distributed/kv_events.py structs) on these events:
+# two stores (one LoRA + salted from block 0, one chained), a removal, a clear.
+VLLM_BYTES = bytes.fromhex(
+    "93cb41d954fc4010000094de000aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfffffffffffffffff07b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980001020304050607aa626c6f636b5f73697a6504a76c6f72615f696401a66d656469756da3475055a96c6f72615f6e616d65a3616431aa65787472615f6b6579739292a3616431a473616c7491a3616431a967726f75705f69647800de0009a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739109b1706172656e745f626c6f636b5f6861736807a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f75705f6964780084a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739107a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400"
+)
+
+
+def test_the_simulator_writes_vllms_bytes():
+    from loadtest.sim.kv_events import encode_batch
+    from loadtest.sim.kvcache import BlockPool, block_hashes
+
+    events = [
+        {
+            "type": "BlockStored",
+            "block_hashes": [2**64 - 1, 7],
+            "parent_block_hash": None,
+            "token_ids": list(range(8)),
+            "block_size": 4,
+            "lora_id": 1,
+            "medium": "GPU",
+            "lora_name": "ad1",
+            "extra_keys": [("ad1", "salt"), ("ad1",)],
+            "group_idx": 0,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [9],
+            "parent_block_hash": 7,
+            "token_ids": [1, 2, 3, 4],
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+        },
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0},
+        {"type": "AllBlocksCleared"},
+    ]
+    assert encode_batch(events, 1700000000.25, 0) == VLLM_BYTES
+    # The block pool builds its events in that shape.
+    pool = BlockPool(2, events=True)
+    tokens = list(range(8))
+    hashes = block_hashes(tokens, 4, lora="ad1", cache_salt="salt")
+    for b, h in zip(pool.allocate(2), hashes, strict=True):
+        pool.cache(b, h)
+    pool.stored(hashes, None, tokens, 4, first_block=0, lora="ad1", lora_id=1, cache_salt="salt")
+    (ev,) = pool.take_events()
+    assert list(ev) == list(events[0])
+    assert ev["extra_keys"] == events[0]["extra_keys"] and ev["lora_id"] == 1
+    assert ev["block_hashes"] == [int.from_bytes(h[-8:], "big") for h in hashes]
+
+
+def test_endpoints_are_listed_or_derived_from_the_replica_host():
+    from router.kv_events import endpoints_from_config
+
+    eps = endpoints_from_config(
+        ["http://10.0.0.1:8000", "http://[::1]:8000", "http://listed:8000"],
+        {"http://listed:8000": {"endpoint": "tcp://ev:1", "replay_endpoint": "tcp://ev:2"}},
+        5557,
+        5558,
+    )
+    assert eps["http://10.0.0.1:8000"] == Endpoints("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
+    assert eps["http://[::1]:8000"].pub == "tcp://[::1]:5557"
+    assert eps["http://listed:8000"] == Endpoints("tcp://ev:1", "tcp://ev:2")
