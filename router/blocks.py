@@ -52,6 +52,18 @@ def block_hashes(
     return out
 
 
+def continue_chain(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of the full blocks of ``token_ids`` chained onto ``parent`` (a block hash, or
+    ``root_hash(...)`` for block 0): what ``block_hashes`` gives for a prompt's later blocks,
+    from the tokens of those blocks alone (how vLLM's KV events describe stored blocks)."""
+    n = _full_blocks(token_ids, block_size, None)
+    out: list[int] = []
+    if n:
+        step = 4 * block_size
+        _chain(pack_tokens(token_ids), 0, n * step, step, parent, out)
+    return out
+
+
 def _full_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | None) -> int:
     if block_size <= 0:
         raise ValueError("block_size must be positive")

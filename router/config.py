@@ -184,6 +184,32 @@ class Config:
     sync_interval_s: float = _opt(
         0.5, "seconds between publishing this gateway's load to Redis and reading the others'"
     )
+    # -- precise mode (vLLM KV cache events)
+    kv_events: bool = _opt(
+        False,
+        "subscribe to each replica's vLLM KV cache events (ZMQ) and keep the index exact "
+        "from them; a replica whose events stop is routed on the approximate model",
+    )
+    kv_events_port: int = _opt(
+        5557, "port of a replica's KV event publisher (on the replica's host) when not listed"
+    )
+    kv_events_replay_port: int | None = _opt(
+        None,
+        "port of a replica's KV event replay socket (vLLM's replay_endpoint) when not "
+        "listed; without one, a gap in the events resets the replica's index",
+    )
+    kv_events_endpoints: dict[str, Any] = _opt(
+        {},
+        "replica URL -> its publisher, tcp://host:port or {endpoint, replay_endpoint} "
+        "(config file only)",
+        flag=False,
+    )
+    kv_events_topic: str = _opt("", "topic of the KV event messages (vLLM's kv-events topic)")
+    kv_events_timeout_s: float = _opt(
+        10.0,
+        "a replica that sends no event this long after being sent new blocks is routed on "
+        "the approximate model until its events resume",
+    )
     # -- discovery
     discovery_dns: str | None = _opt(
         None, "discover replicas by resolving this DNS name (e.g. a headless Service) periodically"
@@ -278,6 +304,21 @@ class Config:
             raise ConfigError(
                 f"first_byte_timeout_factor must be >= 1, got {self.first_byte_timeout_factor}"
             )
+        if not 0 < self.kv_events_port < 65536 or (
+            self.kv_events_replay_port is not None and not 0 < self.kv_events_replay_port < 65536
+        ):
+            raise ConfigError("kv_events_port and kv_events_replay_port must be 1..65535")
+        if self.kv_events_timeout_s <= 0:
+            raise ConfigError(
+                f"kv_events_timeout_s must be positive, got {self.kv_events_timeout_s}"
+            )
+        for url, ep in self.kv_events_endpoints.items():
+            given = ep.get("endpoint") if isinstance(ep, dict) else ep
+            if not isinstance(given, str) or not given.startswith(("tcp://", "ipc://")):
+                raise ConfigError(
+                    f"kv_events_endpoints[{url!r}] must be tcp://host:port (or a mapping with "
+                    "endpoint and replay_endpoint)"
+                )
         try:
             check_config(self)
         except ScheduleError as e:

@@ -123,6 +123,9 @@ async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web
         all_hashes=request.query.get("all_hashes", "") in ("1", "true"),
     )
     body["schedule"] = gateway.policy.describe()  # the plugins and weights behind the terms
+    if gateway.kv_events is not None:  # precise mode: is each candidate's index event-fed?
+        for candidate in body.get("candidates", []):
+            candidate["kv_events"] = gateway.kv_events.state(candidate["replica"])
     return web.json_response(body)
 
 

@@ -30,6 +30,7 @@ from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
 from router.forward import Outcome, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
+from router.kv_events import KVEventSubscriber, start_for
 from router.limits import BodyLimits, check_fits
 from router.loading import load_renderer
 from router.metrics import Metrics
@@ -102,7 +103,10 @@ class Gateway:
         # extension): observe(rr, decision, outcome)
         self.observers: list[Any] = []
         self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
-        self.discovery: DnsDiscovery | None = None  # DNS discovery of replicas, when configured
+        self.discovery: DnsDiscovery | None = None
+        self.kv_events: KVEventSubscriber | None = (
+            None  # precise mode (router/kv_events.py)  # DNS discovery of replicas, when configured
+        )
         self._fallbacks_seen = 0
         self.receiving_bytes = 0  # request-body bytes being received now (router/handlers.py)
 
@@ -141,6 +145,8 @@ class Gateway:
         self.sync_ring()
         if self.config.block_size is None:
             self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
+        if self.config.kv_events:
+            self.kv_events = await start_for(self)  # wraps self.index
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
         if self.renderer is None:
@@ -184,6 +190,8 @@ class Gateway:
             await self.fleet_mode.stop()
         if self.fleet:
             await self.fleet.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.index.close()
         if self.fleet_mode is not None:
             await self.fleet_mode.close()
@@ -396,7 +404,8 @@ class Gateway:
         reported = outcome.cached_tokens
         self.metrics.reported_cached_tokens.labels(rr.tenant).inc(reported)
         self.metrics.prediction_error.observe(predicted - reported)
-        if reported == 0 and decision.matched_blocks >= 2:
+        precise = self.kv_events is not None and self.kv_events.is_up(decision.replica)
+        if reported == 0 and decision.matched_blocks >= 2 and not precise:  # events know
             # The replica held none of what we believed it held: its cache was lost (restart,
             # reset) behind our back. Forget everything we believed about it but this request.
             log.info(

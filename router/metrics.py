@@ -112,6 +112,19 @@ class Metrics:
             registry=r,
         )
         self._redis_up: Gauge | None = None
+        self.kv_events_up = Gauge(
+            "prefix_router_kv_events_up",
+            "1 while the replica's KV cache events keep its index exact (precise mode), 0 "
+            "while it is routed on the approximate model",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_events_errors = Counter(
+            "prefix_router_kv_events_errors",
+            "KV event messages or events not applied, by reason",
+            ["replica", "reason"],
+            registry=r,
+        )
         self.redis_fallbacks = Counter(
             "prefix_router_redis_fallbacks", "Lookups answered from the local view", registry=r
         )

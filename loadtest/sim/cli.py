@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -133,6 +134,26 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tokens")
     p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="publish vLLM KV cache events on a ZMQ PUB socket bound here, e.g. tcp://*:5557 "
+        "(the port is offset by the replica's index with --count)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="ROUTER socket answering replay requests, e.g. tcp://*:5558 (offset like the PUB)",
+    )
+    p.add_argument("--kv-events-topic", default="", help="topic of the KV event messages")
+    p.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=d["kv_events_buffer_steps"].default,
+        help="event batches kept for replay",
+    )
+    p.add_argument(
         "--log-level", default="warning", type=str.lower, choices=LOG_LEVELS, help="logging level"
     )
     return p
@@ -155,6 +176,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         always_report_cached_tokens=args.always_report_cached_tokens,
         instant=args.instant,
         seed=args.seed,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_buffer_steps=args.kv_events_buffer_steps,
     )
 
 
@@ -202,7 +227,7 @@ async def _serve(cfg: SimConfig, host: str, port: int, count: int) -> int:
     replicas: list[SimReplica] = []
     try:
         for i in range(count):
-            r = SimReplica(cfg, renderer)
+            r = SimReplica(offset_kv_ports(cfg, i), renderer)
             try:
                 await r.start(host, port + i if port else 0)
             except OSError as e:  # taken since check_args
@@ -214,6 +239,22 @@ async def _serve(cfg: SimConfig, host: str, port: int, count: int) -> int:
     finally:
         for r in replicas:
             await r.stop()
+
+
+def _offset_port(endpoint: str | None, i: int) -> str | None:
+    """vLLM's ``offset_endpoint_port``: replica i of --count publishes on port + i."""
+    if not endpoint or i == 0 or not endpoint.startswith("tcp://"):
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if port == "*" else f"{base}:{int(port) + i}"
+
+
+def offset_kv_ports(cfg: SimConfig, i: int) -> SimConfig:
+    return dataclasses.replace(
+        cfg,
+        kv_events_endpoint=_offset_port(cfg.kv_events_endpoint, i),
+        kv_events_replay_endpoint=_offset_port(cfg.kv_events_replay_endpoint, i),
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = "prefix-router replica") -> int:

@@ -32,6 +32,12 @@ class SimConfig:
     always_report_cached_tokens: bool = True
     instant: bool = False  # all timing zero (overhead benchmarks)
     seed: int = 0
+    # vLLM's --kv-events-config: publish KV cache events (ZMQ PUB, bound here; None = off),
+    # with a ROUTER replay socket when replay is set. tcp://127.0.0.1:* picks a free port.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
         positive = (

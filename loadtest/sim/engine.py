@@ -142,13 +142,18 @@ class Engine:
         instant: bool,
         metrics: SimMetrics | None = None,
         stats: dict[str, Any] | None = None,
+        on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None,
+        lora_ids: dict[str, int] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         if prefill_tokens_per_s <= 0 or decode_tokens_per_s <= 0:
             raise ValueError("token rates must be positive")
         self.block_size = block_size
-        self.pool = BlockPool(num_gpu_blocks)
+        self.pool = BlockPool(num_gpu_blocks, events=on_kv_events is not None)
+        # KV cache events go out once per engine step, as vLLM's scheduler publishes them.
+        self.on_kv_events = on_kv_events
+        self.lora_ids = lora_ids or {}
         self.instant = instant
         self.prefill_rate = prefill_tokens_per_s
         self.dt = 0.0 if instant else 1.0 / decode_tokens_per_s
@@ -201,6 +206,7 @@ class Engine:
         self._try_admit(now)
         self.advance(now)
         self._changed()
+        self._publish()
 
     def abort(self, seq: Seq) -> None:
         """The client went away: stop the request now and free its blocks."""
@@ -231,6 +237,7 @@ class Engine:
         self._try_admit(now)
         self.advance(now)
         self._changed()
+        self._publish()
 
     def abort_all(self) -> None:
         for s in [*self.waiting, *self.active]:
@@ -252,9 +259,18 @@ class Engine:
         self._arm_timer()
         if processed:
             self._changed()
+        self._publish()
 
     def reset_cache(self) -> int:
-        return self.pool.reset()
+        dropped = self.pool.reset()
+        self._publish()
+        return dropped
+
+    def _publish(self) -> None:
+        if self.on_kv_events is not None:
+            events = self.pool.take_events()
+            if events:
+                self.on_kv_events(events)
 
     def counts(self, now: float | None = None) -> tuple[int, int]:
         """(running, waiting) at ``now``: waiting = prefill not started yet."""
@@ -376,8 +392,20 @@ class Engine:
             cache_salt=s.cache_salt,
             upto_blocks=num_full_blocks,
         )
-        for i in range(s.num_registered, num_full_blocks):
+        first = s.num_registered
+        for i in range(first, num_full_blocks):
             self.pool.cache(s.blocks[i], s.hashes[i])
+        bs = self.block_size
+        self.pool.stored(
+            s.hashes[first:num_full_blocks],
+            s.hashes[first - 1] if first else None,
+            s.all_ids[first * bs : num_full_blocks * bs],
+            bs,
+            first_block=first,
+            lora=s.lora,
+            lora_id=self.lora_ids.get(s.lora) if s.lora else None,
+            cache_salt=s.cache_salt,
+        )
         s.num_registered = num_full_blocks
 
     def _step(self, s: Seq, k: int, t: float) -> None:

@@ -13,7 +13,14 @@ What is reproduced (vLLM v1, ``vllm/v1/core/kv_cache_utils.py`` and ``block_pool
 * lookup: the longest run from block 0, stopping at the first miss;
 * a free queue in LRU order: freed blocks go to the tail (callers pass them tail-first, as vLLM
   frees ``reversed(request_blocks)``), allocation pops the head and drops that block's hash,
-  a cache hit on a free block takes it out of the queue.
+  a cache hit on a free block takes it out of the queue;
+* KV cache events (``vllm/v1/core/block_pool.py``), when enabled: one ``BlockStored`` per
+  ``cache_blocks`` call (the blocks one request filled in one step, their parent, token ids,
+  LoRA and per-block untagged extra keys), one ``BlockRemoved`` per hash a block drops on
+  eviction, ``AllBlocksCleared`` when a reset finds every block free (vLLM refuses a reset
+  otherwise; this pool forgets the free blocks and reports each as removed). Events are
+  plain dicts in vLLM's field order, hashes as vLLM's default int form (the digest's last 8
+  bytes, big-endian); ``loadtest.sim.kv_events`` puts them on the wire.
 """
 
 from __future__ import annotations
@@ -22,10 +29,19 @@ import hashlib
 import pickle
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 NONE_HASH: bytes = hashlib.sha256(
     pickle.dumps("vllm-none-hash", protocol=pickle.HIGHEST_PROTOCOL)
 ).digest()
+
+
+MEDIUM_GPU = "GPU"
+
+
+def external_hash(block_hash: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash`` with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``."""
+    return int.from_bytes(block_hash, "big") & 0xFFFFFFFFFFFFFFFF
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple | None) -> bytes:
@@ -97,9 +113,14 @@ class Block:
 class BlockPool:
     """A fixed pool of KV blocks with vLLM's caching and eviction rules."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, events: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+        # KV cache events waiting to be taken (``take_events``), None when disabled; and,
+        # with events on, for tests, what each cached hash was made of: (parent, token ids,
+        # lora, salt).
+        self.events: list[dict[str, Any]] | None = [] if events else None
+        self.lineage: dict[bytes, tuple[bytes | None, tuple[int, ...], str | None, str | None]] = {}
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free queue, head = least recently used. OrderedDict gives O(1) removal from the middle.
@@ -157,6 +178,16 @@ class BlockPool:
             holders.pop(b.block_id, None)
             if not holders:
                 del self._cached[b.block_hash]
+                self.lineage.pop(b.block_hash, None)
+        if self.events is not None:
+            self.events.append(
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": [external_hash(b.block_hash)],
+                    "medium": MEDIUM_GPU,
+                    "group_idx": 0,
+                }
+            )
         b.block_hash = None
         return True
 
@@ -180,6 +211,60 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, {})[block.block_id] = block
 
+    def stored(
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        first_block: int,
+        lora: str | None = None,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """The blocks ``hashes`` (block indices ``first_block``.. of one request, made of
+        ``token_ids``) were just cached: queue vLLM's ``BlockStored`` for them."""
+        if not hashes or self.events is None:
+            return
+        prev = parent
+        for i, h in enumerate(hashes):
+            if h not in self.lineage:
+                toks = tuple(token_ids[i * block_size : (i + 1) * block_size])
+                salt = cache_salt if first_block + i == 0 else None
+                self.lineage[h] = (prev, toks, lora, salt)
+            prev = h
+        # vLLM publishes extra keys untagged: the LoRA name on every block, the salt on block 0.
+        per_block: list[tuple[str, ...] | None] = []
+        for i in range(len(hashes)):
+            keys = [k for k in (lora, cache_salt if first_block + i == 0 else None) if k]
+            per_block.append(tuple(keys) if keys else None)
+        event: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": [external_hash(h) for h in hashes],
+            "parent_block_hash": None if parent is None else external_hash(parent),
+            "token_ids": list(token_ids),
+            "block_size": block_size,
+            "lora_id": lora_id,
+            "medium": MEDIUM_GPU,
+            "lora_name": lora,
+        }
+        if any(k is not None for k in per_block):  # omit_defaults: None is left out
+            event["extra_keys"] = per_block
+        event["group_idx"] = 0
+        self.events.append(event)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The queued events, oldest first (the queue is emptied)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def cached_hashes(self) -> set[bytes]:
+        """Every hash some block holds now. For tests."""
+        return set(self._cached)
+
     def free(self, blocks_tail_first: Iterable[Block]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free queue's tail in
         the order given (pass ``reversed(request_blocks)`` so a request's tail is evicted
@@ -191,9 +276,15 @@ class BlockPool:
 
     def reset(self) -> int:
         """Forget the hashes of every free block (in-use blocks keep theirs). Returns how many
-        hashes were dropped."""
+        hashes were dropped. With every block free this is vLLM's ``reset_prefix_cache``
+        and the event is ``AllBlocksCleared``; otherwise each dropped hash is reported."""
+        everything = len(self._free) == self.num_blocks
+        events, self.events = self.events, (None if everything else self.events)
         dropped = 0
         for b in self._free.values():
             if self._uncache(b):
                 dropped += 1
+        self.events = events
+        if everything and events is not None:
+            events.append({"type": "AllBlocksCleared"})
         return dropped

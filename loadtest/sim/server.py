@@ -20,6 +20,7 @@ from loadtest.sim.endpoints import Endpoints
 from loadtest.sim.engine import Engine, new_stats
 from loadtest.sim.faults import Faults
 from loadtest.sim.generate import Generation
+from loadtest.sim.kv_events import KVEventPublisher
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.protocol import json_response
 from loadtest.sim.stream import Streamer
@@ -59,6 +60,8 @@ class SimReplica:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._started_once = False
+        self.kv_events: KVEventPublisher | None = None
+        self._kv_bound: tuple[str, str | None] | None = None  # kept across restarts
         self._new_engine()
 
     def _new_engine(self) -> None:
@@ -76,7 +79,13 @@ class SimReplica:
             instant=c.instant,
             metrics=self.metrics,
             stats=self.stats,
+            on_kv_events=self._publish_kv_events if c.kv_events_endpoint else None,
+            lora_ids={name: i + 1 for i, name in enumerate(c.lora_adapters)},
         )
+
+    def _publish_kv_events(self, events: list[dict[str, Any]]) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(events)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -102,6 +111,7 @@ class SimReplica:
         if self._started_once:
             self._new_engine()
         self._started_once = True
+        c = self.config
         runner = web.AppRunner(
             self._build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.25
         )
@@ -113,11 +123,33 @@ class SimReplica:
             await runner.cleanup()
             raise
         self._runner, self._site = runner, site
+        if c.kv_events_endpoint:
+            await self._start_kv_events()
         self.host = host
         self.port = int(runner.addresses[0][1])
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}"
         return self.url
+
+    async def _start_kv_events(self) -> None:
+        c = self.config
+        endpoint, replay = self._kv_bound or (
+            c.kv_events_endpoint or "",
+            c.kv_events_replay_endpoint,
+        )
+        pub = KVEventPublisher(
+            endpoint, replay, topic=c.kv_events_topic, buffer_steps=c.kv_events_buffer_steps
+        )
+        await pub.start()
+        self.kv_events = pub
+        # A restarted replica publishes on the same ports (a new process, seq from 0).
+        self._kv_bound = (pub.endpoint, pub.replay_endpoint)
+
+    async def stop_kv_events(self) -> None:
+        """Close the KV event sockets only (a publisher that went away)."""
+        pub, self.kv_events = self.kv_events, None
+        if pub is not None:
+            await pub.close()
 
     async def stop(self) -> None:
         """Close the listening socket and abort every open connection (like a killed
@@ -125,6 +157,7 @@ class SimReplica:
         runner, site = self._runner, self._site
         if runner is None:
             return
+        await self.stop_kv_events()
         self._runner = self._site = None
         if site is not None:
             with contextlib.suppress(Exception):

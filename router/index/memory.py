@@ -102,5 +102,10 @@ class MemoryIndex:
         cache = self._replicas.get(replica)
         return len(cache.blocks) if cache else 0
 
+    def blocks(self, replica: str) -> set[int]:
+        """Every block hash modelled for ``replica`` (diagnostics and tests)."""
+        cache = self._replicas.get(replica)
+        return set(cache.blocks) if cache else set()
+
     async def close(self) -> None:
         self._replicas.clear()

@@ -1,0 +1,640 @@
+"""Precise mode: keep the index exact per replica from vLLM's own KV cache events.
+
+One ZMQ SUB socket per replica (``router.kv_wire`` decodes). A ``BlockStored`` names vLLM's
+hashes, the parent's vLLM hash and the blocks' token ids; the gateway's hash of each block
+is computed with ``router.blocks``' chain from the parent's *gateway* hash (kept per replica,
+vLLM hash -> gateway hash), or from ``root_hash(salt, lora)`` for block 0, the salt read from
+block 0's extra keys and the adapter from ``lora_name``: so salted and LoRA blocks stay apart
+exactly as on the replica. Stored blocks are recorded, removed ones forgotten, and
+``AllBlocksCleared`` drops the replica. A hash may be held by several physical blocks (two
+requests computing the same prefix at once): each store counts, each removal uncounts, and the
+block leaves the index when no holder is left.
+
+Sequence numbers: a live message past the next expected seq is a gap, caught up from the
+replay socket (``[b"", start]`` to vLLM's ROUTER). If the replay cannot cover it (no replay
+endpoint, buffer too short, no answer), or the live seq goes backwards (a new publisher
+process), the replica is reset: its index entries are dropped and rebuilt from the events that
+follow. A stale "held" entry sends prefixes to a cold replica; a missing one only misses an
+affinity, so doubt resolves to forgetting.
+
+How it combines with the approximate model: the gateway still records a prompt's blocks when
+it places a request (events arrive only once the replica schedules it, and a second request
+for the same prefix must follow the first meanwhile). These records are self-confirming: the
+replica stores every full block of the prompt, so the events that follow record the same
+hashes, and its evictions remove them. What events never confirm (a request that failed, a
+tokenization the replica does not share) stays as it does in approximate mode, until LRU trims
+it or reported cached tokens correct it. Retracting a failed request's blocks (``forget``)
+spares blocks the events say are held.
+
+Liveness, per replica: up while the SUB socket is connected (ZMQ's socket monitor) and the
+replica answers placements with events: a placement after which no event came for
+``timeout_s`` marks it down (the publisher is wedged, or misconfigured, e.g. a wrong topic).
+Down, the replica is routed on the approximate model, which placements kept feeding all along:
+``prefix_router_kv_events_up{replica}`` says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from router import blocks
+from router.index.base import PrefixIndex
+from router.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Hash,
+    Skipped,
+    WireError,
+    decode_batch,
+    parse_frames,
+)
+
+log = logging.getLogger("prefix_router.kv_events")
+
+DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+MEMO_ENTRIES = 65_536  # vLLM -> gateway hashes of recently removed blocks (see _parent)
+
+
+@dataclass
+class Endpoints:
+    pub: str
+    replay: str | None = None
+
+
+def endpoints_from_config(
+    urls: Iterable[str],
+    explicit: Mapping[str, Any],
+    port: int,
+    replay_port: int | None,
+) -> dict[str, Endpoints]:
+    """Each replica's publisher: ``explicit[url]`` (an endpoint string, or a mapping with
+    ``endpoint`` and optional ``replay_endpoint``), else the replica's host with ``port``."""
+    out = {}
+    for url in urls:
+        given = explicit.get(url)
+        if isinstance(given, str):
+            out[url] = Endpoints(given)
+        elif isinstance(given, Mapping):
+            out[url] = Endpoints(str(given["endpoint"]), given.get("replay_endpoint"))
+        else:
+            host = urlsplit(url).hostname or "127.0.0.1"
+            shown = f"[{host}]" if ":" in host else host
+            replay = f"tcp://{shown}:{replay_port}" if replay_port else None
+            out[url] = Endpoints(f"tcp://{shown}:{port}", replay)
+    return out
+
+
+@dataclass
+class Stream:
+    """One replica's event stream and what it taught us."""
+
+    url: str
+    endpoints: Endpoints
+    sub: zmq.asyncio.Socket | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one applier at a time, in order
+    connected: bool = False
+    disconnects: int = 0
+    disconnected_since: float | None = None
+    up: bool = False
+    last_applied: int | None = None  # seq of the last batch applied
+    live_seq: int | None = None  # seq of the last message on the SUB socket
+    expect_since: float | None = None  # a placement not followed by any event yet
+    # vLLM hash -> [gateway hash, holders]; gateway hash -> holders
+    held: dict[Hash, list[int]] = field(default_factory=dict)
+    gw_holders: dict[int, int] = field(default_factory=dict)
+    memo: OrderedDict[Hash, int] = field(default_factory=OrderedDict)
+    capacity: int | None = None
+    batches: int = 0
+    resets: int = 0
+    replays: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "up": self.up,
+            "connected": self.connected,
+            "seq": self.last_applied,
+            "blocks": len(self.gw_holders),
+            "resets": self.resets,
+            "replays": self.replays,
+        }
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        endpoints: Callable[[Iterable[str]], dict[str, Endpoints]],
+        replicas: Callable[[], Iterable[str]],
+        block_size: Callable[[], int],
+        *,
+        topic: str = "",
+        timeout_s: float = 10.0,
+        replay_timeout_s: float = 2.0,
+        reconnect_s: float = 2.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        metrics: Any = None,
+    ) -> None:
+        self.inner = index
+        self.index = PreciseIndex(index, self)
+        self._endpoints = endpoints
+        self._replicas = replicas
+        self._block_size = block_size
+        self.topic = topic.encode()
+        self.timeout_s = timeout_s
+        self.replay_timeout_s = replay_timeout_s
+        self.reconnect_s = reconnect_s
+        self.max_message_bytes = max_message_bytes
+        self.metrics = metrics
+        self.streams: dict[str, Stream] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tick: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self.sync()
+        self._tick = asyncio.create_task(self._ticker())
+
+    async def stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick
+        for task in list(self._pending):
+            with contextlib.suppress(Exception):
+                await task
+        for url in list(self.streams):
+            await self._close(self.streams.pop(url))
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def sync(self) -> None:
+        """Follow the fleet: a stream per replica, opened and closed as replicas come and go."""
+        urls = list(self._replicas())
+        wanted = self._endpoints(urls)
+        for url in list(self.streams):
+            if url not in wanted:
+                stream = self.streams.pop(url)
+                asyncio.get_running_loop().create_task(self._close(stream))
+        for url, eps in wanted.items():
+            if url not in self.streams:
+                self.streams[url] = self._open(url, eps)
+
+    def _open(self, url: str, eps: Endpoints) -> Stream:
+        stream = Stream(url, eps)
+        self._connect(stream)
+        self._gauge(stream)
+        return stream
+
+    def _connect(self, stream: Stream) -> None:
+        assert self._ctx is not None
+        sub = stream.sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # bigger: ZMQ drops the peer
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        stream.disconnected_since = time.monotonic()
+        try:
+            sub.connect(stream.endpoints.pub)
+        except zmq.ZMQError as e:
+            log.warning(
+                "KV events for %s: cannot connect to %r: %s", stream.url, stream.endpoints.pub, e
+            )
+            self._count(stream, "endpoint")
+        stream.tasks = [
+            asyncio.create_task(self._watch(stream, monitor)),
+            asyncio.create_task(self._consume(stream)),
+        ]
+
+    async def _close(self, stream: Stream) -> None:
+        for task in stream.tasks:
+            task.cancel()
+        for task in stream.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        stream.tasks = []
+        if stream.sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                stream.sub.disable_monitor()
+            stream.sub.close(linger=0)
+            stream.sub = None
+        stream.connected = False
+
+    async def _reconnect(self, stream: Stream) -> None:
+        """A new SUB socket, the stream's state kept. ZMQ reconnects by itself after a lost
+        connection, but not after a protocol error (e.g. a message over MAXMSGSIZE)."""
+        await self._close(stream)
+        if self.streams.get(stream.url) is stream and self._ctx is not None:
+            self._connect(stream)
+
+    # -- state ----------------------------------------------------------------------------
+    def state(self, url: str) -> dict[str, Any] | None:
+        stream = self.streams.get(url)
+        return stream.state() if stream else None
+
+    def is_up(self, url: str) -> bool:
+        stream = self.streams.get(url)
+        return bool(stream and stream.up)
+
+    def _gauge(self, stream: Stream) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_events_up.labels(stream.url).set(1 if stream.up else 0)
+
+    def _count(self, stream: Stream, reason: str) -> None:
+        stream.errors[reason] = stream.errors.get(reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.kv_events_errors.labels(stream.url, reason).inc()
+
+    def _evaluate(self, stream: Stream, now: float) -> None:
+        stale = stream.expect_since is not None and now - stream.expect_since > self.timeout_s
+        up = stream.connected and not stale
+        if up != stream.up:
+            stream.up = up
+            log.log(
+                logging.INFO if up else logging.WARNING,
+                "KV events for %s %s",
+                stream.url,
+                "flowing: precise mode"
+                if up
+                else (
+                    "silent after placements: approximate mode"
+                    if stream.connected
+                    else "publisher gone: approximate mode"
+                ),
+            )
+            self._gauge(stream)
+            self._changed.set()
+            if stream.capacity is not None:
+                task = asyncio.get_running_loop().create_task(self._apply_capacity(stream))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+
+    def capacity_for(self, stream: Stream, blocks_: int) -> int:
+        """The index's capacity for a replica reporting ``blocks_``. In precise mode events
+        decide what is held, and an LRU trim by the replica's size would drop held blocks
+        whenever the index's recency order differs from the replica's free queue (it does):
+        twice the size leaves room for placements the events have yet to confirm. On the
+        approximate model, the replica's size."""
+        return blocks_ * 2 if stream.up else blocks_
+
+    async def _apply_capacity(self, stream: Stream) -> None:
+        if stream.capacity is not None:
+            with contextlib.suppress(Exception):
+                await self.inner.set_capacity(
+                    stream.url, self.capacity_for(stream, stream.capacity)
+                )
+
+    async def _ticker(self) -> None:
+        period = max(0.05, min(1.0, self.timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.sync()
+                now = time.monotonic()
+                for stream in list(self.streams.values()):
+                    waited = now - stream.expect_since if stream.expect_since else 0.0
+                    if stream.endpoints.replay and stream.up and waited > self.timeout_s / 2:
+                        # Silence after a placement: a lost last message, or a dead
+                        # publisher; the replay socket tells which (and catches up).
+                        await self.catch_up(stream.url)
+                    self._evaluate(stream, now)
+                    gone = stream.disconnected_since
+                    if not stream.connected and gone and now - gone > self.reconnect_s:
+                        await self._reconnect(stream)
+            except Exception:
+                log.exception("KV event bookkeeping failed")
+
+    async def wait(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Wait until ``predicate()`` holds, re-checked after every applied batch or state
+        change (tests, and the benchmark)."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def catch_up(self, url: str) -> bool:
+        """Replay whatever followed the last applied batch (a lost message with nothing after
+        it shows no gap on the live socket). True when the replay answered."""
+        stream = self.streams.get(url)
+        if stream is None:
+            return False
+        async with stream.lock:
+            last = stream.last_applied
+            ok = await self._replay(stream, 0 if last is None else last + 1)
+            if stream.last_applied != last:
+                stream.expect_since = None
+        self._evaluate(stream, time.monotonic())
+        self._changed.set()
+        return ok
+
+    def placed(self, url: str) -> None:
+        stream = self.streams.get(url)
+        if stream is not None and stream.expect_since is None:
+            stream.expect_since = time.monotonic()
+
+    # -- the stream -----------------------------------------------------------------------
+    async def _watch(self, stream: Stream, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                msg = parse_monitor_message(await monitor.recv_multipart())
+                connected = msg["event"] == zmq.EVENT_CONNECTED
+                if connected != stream.connected:
+                    stream.connected = connected
+                    stream.disconnects += not connected
+                    stream.disconnected_since = None if connected else time.monotonic()
+                    self._evaluate(stream, time.monotonic())
+                    self._changed.set()
+        finally:
+            monitor.close(linger=0)
+
+    async def _consume(self, stream: Stream) -> None:
+        assert stream.sub is not None
+        if stream.endpoints.replay:
+            # Whatever the publisher still buffers from seq 0 (or what followed the last
+            # batch, on a reconnect): a gateway started after the replica learns its cache
+            # from the start, if the buffer reaches back that far.
+            async with stream.lock:
+                last = stream.last_applied
+                await self._replay(stream, 0 if last is None else last + 1)
+        while True:
+            frames = await stream.sub.recv_multipart()
+            stream.expect_since = None
+            try:
+                if len(frames) != 3:
+                    raise WireError("frames", f"{len(frames)} frames")
+                seq, payload = parse_frames(frames)
+            except WireError as e:
+                self._count(stream, e.reason)
+                continue
+            try:
+                async with stream.lock:
+                    await self._live(stream, seq, payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not end the stream
+                log.exception("KV event %d from %s not applied", seq, stream.url)
+                self._count(stream, "internal")
+            self._evaluate(stream, time.monotonic())
+            self._changed.set()
+            await asyncio.sleep(0)  # a burst of events yields to requests
+
+    async def _live(self, stream: Stream, seq: int, payload: bytes) -> None:
+        if stream.live_seq is not None and seq <= stream.live_seq:
+            await self._reset(stream, f"publisher restarted (seq {seq} after {stream.live_seq})")
+            stream.last_applied = -1  # a new process: its stream starts at 0
+        stream.live_seq = seq
+        last = stream.last_applied
+        if last is None:  # the first message, and no replay found earlier ones: join here
+            await self._apply(stream, seq, payload)
+            return
+        if seq <= last:
+            return  # already applied from a replay
+        if seq > last + 1:
+            await self._replay(stream, last + 1)
+            last = stream.last_applied
+            assert last is not None
+            if seq <= last:
+                return
+            if seq != last + 1:
+                await self._reset(stream, f"batches {last + 1}..{seq - 1} lost, not replayable")
+        await self._apply(stream, seq, payload)
+
+    async def _replay(self, stream: Stream, start: int) -> bool:
+        """Ask the replay socket for every batch from ``start`` and apply, in order, those
+        that follow what was applied. False when it could not (no replay endpoint, no answer
+        within ``replay_timeout_s``, a hole the publisher's buffer no longer covers)."""
+        if not stream.endpoints.replay or self._ctx is None:
+            return False
+        stream.replays += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.replay_timeout_s) as deadline:
+                sock.connect(stream.endpoints.replay)
+                await sock.send_multipart((b"", start.to_bytes(8, "big")))
+                while True:
+                    frames = await sock.recv_multipart()
+                    deadline.reschedule(loop.time() + self.replay_timeout_s)
+                    try:
+                        if not frames or frames[0] != b"":
+                            raise WireError("frames", "replay reply without delimiter")
+                        seq, payload = parse_frames(frames[1:])
+                    except WireError as e:
+                        self._count(stream, e.reason)
+                        continue
+                    if seq < 0:
+                        return True
+                    last = stream.last_applied
+                    if last is not None and seq <= last:
+                        continue
+                    if last is not None and seq != last + 1:
+                        return False  # a hole the buffer no longer covers
+                    await self._apply(stream, seq, payload)
+        except TimeoutError:
+            self._count(stream, "replay_timeout")
+            return False
+        except zmq.ZMQError as e:
+            log.debug("replay from %s failed: %s", stream.url, e)
+            self._count(stream, "replay_error")
+            return False
+        finally:
+            sock.close(linger=0)
+
+    async def _reset(self, stream: Stream, why: str) -> None:
+        log.info("KV events for %s: %s; dropping its index entries", stream.url, why)
+        stream.resets += 1
+        self._forget_holders(stream)
+        await self.inner.drop_replica(stream.url)
+        await self._apply_capacity(stream)
+
+    def restart(self, stream: Stream) -> None:
+        """Forget the stream's position and holders: its replica restarted (a new publisher
+        numbers from 0 again, which the live socket may not have shown) or its index was
+        dropped. What the publisher still buffers is replayed from 0, rebuilding the index."""
+        self._forget_holders(stream)
+        stream.last_applied = stream.live_seq = None
+        if stream.endpoints.replay:
+            task = asyncio.get_running_loop().create_task(self.catch_up(stream.url))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    def _forget_holders(self, stream: Stream) -> None:
+        memo = stream.memo
+        for vh, (gh, _) in stream.held.items():
+            memo[vh] = gh
+        while len(memo) > MEMO_ENTRIES:
+            memo.popitem(last=False)
+        stream.held.clear()
+        stream.gw_holders.clear()
+
+    # -- applying events ------------------------------------------------------------------
+    async def _apply(self, stream: Stream, seq: int, payload: bytes) -> None:
+        stream.last_applied = seq
+        stream.batches += 1
+        try:
+            events = decode_batch(payload)
+        except WireError as e:
+            self._count(stream, e.reason)
+            return
+        for event in events:
+            if isinstance(event, BlockStored):
+                await self._stored(stream, event)
+            elif isinstance(event, BlockRemoved):
+                await self._removed(stream, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                await self._reset(stream, "AllBlocksCleared")
+            elif isinstance(event, Skipped):
+                self._count(stream, event.reason)
+
+    def _parent(self, stream: Stream, vh: Hash) -> int | None:
+        entry = stream.held.get(vh)
+        if entry is not None:
+            return entry[0]
+        # A parent we stopped counting (a reset, a removal event of one of two holders that
+        # raced) still names the same tokens: the mapping is a function of the chain.
+        return stream.memo.get(vh)
+
+    async def _stored(self, stream: Stream, ev: BlockStored) -> None:
+        if ev.block_size != self._block_size():
+            self._count(stream, "block_size")
+            return
+        if ev.parent_block_hash is None:
+            parent = blocks.root_hash(ev.cache_salt(), ev.lora_name)
+        else:
+            found = self._parent(stream, ev.parent_block_hash)
+            if found is None:
+                self._count(stream, "unknown_parent")
+                return
+            parent = found
+        gws = blocks.continue_chain(parent, ev.token_ids, ev.block_size)
+        held, gw_holders = stream.held, stream.gw_holders
+        for vh, gh in zip(ev.block_hashes, gws, strict=True):
+            entry = held.get(vh)
+            if entry is None:
+                held[vh] = [gh, 1]
+                gw_holders[gh] = gw_holders.get(gh, 0) + 1
+            else:
+                entry[1] += 1
+        await self.inner.record(stream.url, gws)
+
+    async def _removed(self, stream: Stream, hashes: Sequence[Hash]) -> None:
+        held, gw_holders = stream.held, stream.gw_holders
+        gone = []
+        for vh in hashes:
+            entry = held.get(vh)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] > 0:
+                continue
+            del held[vh]
+            gh = entry[0]
+            stream.memo[vh] = gh
+            n = gw_holders.get(gh, 0) - 1
+            if n > 0:
+                gw_holders[gh] = n
+            else:
+                gw_holders.pop(gh, None)
+                gone.append(gh)
+        while len(stream.memo) > MEMO_ENTRIES:
+            stream.memo.popitem(last=False)
+        if gone:
+            await self.inner.forget(stream.url, gone)
+
+
+class PreciseIndex:
+    """The gateway's ``PrefixIndex`` in precise mode: the index the events keep, with the
+    gateway's own writes adjusted to them (see the module doc)."""
+
+    def __init__(self, inner: PrefixIndex, subscriber: KVEventSubscriber) -> None:
+        self.inner = inner
+        self.subscriber = subscriber
+
+    def __getattr__(self, name: str) -> Any:  # redis_up, fallbacks... of a ResilientIndex
+        return getattr(self.inner, name)
+
+    async def match(self, block_hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
+        return await self.inner.match(block_hashes, replicas)
+
+    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+        stream = self.subscriber.streams.get(replica)
+        if stream is not None and block_hashes and block_hashes[-1] not in stream.gw_holders:
+            self.subscriber.placed(replica)  # blocks the replica will store: events are due
+        await self.inner.record(replica, block_hashes)
+
+    async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:
+        stream = self.subscriber.streams.get(replica)
+        if stream is not None and stream.up:
+            held = stream.gw_holders
+            block_hashes = [h for h in block_hashes if h not in held]
+        await self.inner.forget(replica, block_hashes)
+
+    async def set_capacity(self, replica: str, blocks_: int) -> None:
+        stream = self.subscriber.streams.get(replica)
+        if stream is not None:
+            stream.capacity = blocks_
+            blocks_ = self.subscriber.capacity_for(stream, blocks_)
+        await self.inner.set_capacity(replica, blocks_)
+
+    async def drop_replica(self, replica: str) -> None:
+        """The replica restarted or left (or its reports contradict the index): what the
+        events taught about it goes too; the events that follow rebuild it."""
+        stream = self.subscriber.streams.get(replica)
+        if stream is not None:
+            self.subscriber.restart(stream)
+        await self.inner.drop_replica(replica)
+
+    def size(self, replica: str) -> int:
+        return self.inner.size(replica)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def start_for(gateway: Any) -> KVEventSubscriber:
+    """The subscriber for a ``router.app.Gateway`` per its config, started; the gateway's
+    index becomes the subscriber's ``PreciseIndex``."""
+    config = gateway.config
+    fleet = gateway.fleet
+
+    def endpoints(urls: Iterable[str]) -> dict[str, Endpoints]:
+        return endpoints_from_config(
+            urls,
+            config.kv_events_endpoints,
+            config.kv_events_port,
+            config.kv_events_replay_port,
+        )
+
+    sub = KVEventSubscriber(
+        gateway.index,
+        endpoints,
+        lambda: list(fleet.replicas),
+        lambda: gateway.block_size,
+        topic=config.kv_events_topic,
+        timeout_s=config.kv_events_timeout_s,
+        metrics=gateway.metrics,
+    )
+    gateway.index = sub.index
+    await sub.start()
+    return sub
