@@ -172,6 +172,11 @@ class Config:
         "redis_url so they share one prefix map",
     )
     tokenize_threads: int = _opt(2, "threads that tokenize long prompts off the event loop")
+    startup_wait_s: float = _opt(
+        60.0,
+        "with no --tokenizer, how long start-up waits for a replica to report its model "
+        "(replicas started at the same time load for seconds)",
+    )
     shutdown_grace_s: float = _opt(30.0, "on SIGTERM, seconds to let in-flight requests finish")
     # -- fleet mode (Redis)
     redis_url: str | None = _opt(

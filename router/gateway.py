@@ -137,6 +137,8 @@ class Gateway:
         if self.config.discovery_dns:
             self.discovery = DnsDiscovery.from_config(self.config, self._on_discovered)
             await self.discovery.start()  # the first lookup completes before serving
+        if self.renderer is None:
+            await self._wait_for_a_model()  # fleet mode's keys and the block size need it too
         if self.config.redis_url:
             self.fleet_mode = FleetMode(
                 self.config, self.fleet, self.metrics, self.spawn, self.sync_ring
@@ -172,6 +174,22 @@ class Gateway:
             self.policy.name,
             self.block_size,
         )
+
+    async def _wait_for_a_model(self) -> None:
+        """With no tokenizer configured the gateway renders with the model a replica reports:
+        wait (bounded) for one to come up, as replicas started alongside take seconds."""
+        assert self.fleet is not None
+        if self.config.tokenizer or self.fleet.base_model():
+            return
+        log.info(
+            "waiting up to %gs for a replica to report its model (or pass --tokenizer)",
+            self.config.startup_wait_s,
+        )
+        deadline = time.monotonic() + self.config.startup_wait_s
+        while not self.fleet.base_model() and time.monotonic() < deadline:
+            await self.fleet.check_health()
+            if not self.fleet.base_model():
+                await asyncio.sleep(min(0.5, self.config.health_interval_s))
 
     async def _on_discovered(self, urls: list[str]) -> None:
         assert self.fleet is not None

@@ -5,6 +5,7 @@ configured dependencies gauged, and one type for the error ``code``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -132,3 +133,36 @@ async def test_no_redis_gauge_without_redis(fleet, gateway) -> None:  # type: ig
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
         text = await r.text()
     assert "prefix_router_requests" in text and "prefix_router_redis_up" not in text
+
+
+async def test_serve_waits_for_a_replica_that_is_still_starting(caplog) -> None:  # type: ignore[no-untyped-def]
+    """Started alongside its replicas (compose starts everything at once), a gateway with no
+    --tokenizer waits for one to report its model instead of exiting."""
+    from loadtest.replica import SimConfig, SimReplica
+    from router.app import start_gateway
+    from router.config import load_config
+    from tests.helpers import chat_body, post, wait_for
+
+    caplog.set_level(logging.INFO, logger="prefix_router")
+    port = free_port()
+    config = load_config(None, env={}, replicas=[f"http://127.0.0.1:{port}"], health_interval_s=0.1)
+    starting = asyncio.create_task(start_gateway(config, port=0))
+
+    async def waiting() -> bool:
+        return any("waiting up to" in r.getMessage() for r in caplog.records)
+
+    await wait_for(waiting, what="the gateway to wait for a model")
+    assert not starting.done()
+    replica = SimReplica(SimConfig())
+    await replica.start(port=port)
+    try:
+        gw = await asyncio.wait_for(starting, 60)
+        try:
+            async with aiohttp.ClientSession() as s:
+                status, _, _ = await post(s, gw.url + "/v1/chat/completions", chat_body("hi"))
+            assert status == 200
+            assert gw.gateway.renderer is not None
+        finally:
+            await gw.stop()
+    finally:
+        await replica.stop()
