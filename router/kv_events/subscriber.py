@@ -1,37 +1,5 @@
-"""Precise mode: keep the index exact per replica from vLLM's own KV cache events.
-
-One ZMQ SUB socket per replica (``router.kv_wire`` decodes). A ``BlockStored`` names vLLM's
-hashes, the parent's vLLM hash and the blocks' token ids; the gateway's hash of each block
-is computed with ``router.blocks``' chain from the parent's *gateway* hash (kept per replica,
-vLLM hash -> gateway hash), or from ``root_hash(salt, lora)`` for block 0, the salt read from
-block 0's extra keys and the adapter from ``lora_name``: so salted and LoRA blocks stay apart
-exactly as on the replica. Stored blocks are recorded, removed ones forgotten, and
-``AllBlocksCleared`` drops the replica. A hash may be held by several physical blocks (two
-requests computing the same prefix at once): each store counts, each removal uncounts, and the
-block leaves the index when no holder is left.
-
-Sequence numbers: a live message past the next expected seq is a gap, caught up from the
-replay socket (``[b"", start]`` to vLLM's ROUTER). If the replay cannot cover it (no replay
-endpoint, buffer too short, no answer), or the live seq goes backwards (a new publisher
-process), the replica is reset: its index entries are dropped and rebuilt from the events that
-follow. A stale "held" entry sends prefixes to a cold replica; a missing one only misses an
-affinity, so doubt resolves to forgetting.
-
-How it combines with the approximate model: the gateway still records a prompt's blocks when
-it places a request (events arrive only once the replica schedules it, and a second request
-for the same prefix must follow the first meanwhile). These records are self-confirming: the
-replica stores every full block of the prompt, so the events that follow record the same
-hashes, and its evictions remove them. What events never confirm (a request that failed, a
-tokenization the replica does not share) stays as it does in approximate mode, until LRU trims
-it or reported cached tokens correct it. Retracting a failed request's blocks (``forget``)
-spares blocks the events say are held.
-
-Liveness, per replica: up while the SUB socket is connected (ZMQ's socket monitor) and the
-replica answers placements with events: a placement after which no event came for
-``timeout_s`` marks it down (the publisher is wedged, or misconfigured, e.g. a wrong topic).
-Down, the replica is routed on the approximate model, which placements kept feeding all along:
-``prefix_router_kv_events_up{replica}`` says which.
-"""
+"""The subscriber: one ZMQ SUB socket per replica, sequence checks and replay, and the
+events applied to the index (see the package doc for the rules)."""
 
 from __future__ import annotations
 
@@ -39,11 +7,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
@@ -51,6 +16,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from router import blocks
 from router.index.base import PrefixIndex
+from router.kv_events.precise_index import PreciseIndex
+from router.kv_events.streams import Endpoints, Stream
 from router.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -66,72 +33,6 @@ log = logging.getLogger("prefix_router.kv_events")
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MEMO_ENTRIES = 65_536  # vLLM -> gateway hashes of recently removed blocks (see _parent)
-
-
-@dataclass
-class Endpoints:
-    pub: str
-    replay: str | None = None
-
-
-def endpoints_from_config(
-    urls: Iterable[str],
-    explicit: Mapping[str, Any],
-    port: int,
-    replay_port: int | None,
-) -> dict[str, Endpoints]:
-    """Each replica's publisher: ``explicit[url]`` (an endpoint string, or a mapping with
-    ``endpoint`` and optional ``replay_endpoint``), else the replica's host with ``port``."""
-    out = {}
-    for url in urls:
-        given = explicit.get(url)
-        if isinstance(given, str):
-            out[url] = Endpoints(given)
-        elif isinstance(given, Mapping):
-            out[url] = Endpoints(str(given["endpoint"]), given.get("replay_endpoint"))
-        else:
-            host = urlsplit(url).hostname or "127.0.0.1"
-            shown = f"[{host}]" if ":" in host else host
-            replay = f"tcp://{shown}:{replay_port}" if replay_port else None
-            out[url] = Endpoints(f"tcp://{shown}:{port}", replay)
-    return out
-
-
-@dataclass
-class Stream:
-    """One replica's event stream and what it taught us."""
-
-    url: str
-    endpoints: Endpoints
-    sub: zmq.asyncio.Socket | None = None
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one applier at a time, in order
-    connected: bool = False
-    disconnects: int = 0
-    disconnected_since: float | None = None
-    up: bool = False
-    last_applied: int | None = None  # seq of the last batch applied
-    live_seq: int | None = None  # seq of the last message on the SUB socket
-    expect_since: float | None = None  # a placement not followed by any event yet
-    # vLLM hash -> [gateway hash, holders]; gateway hash -> holders
-    held: dict[Hash, list[int]] = field(default_factory=dict)
-    gw_holders: dict[int, int] = field(default_factory=dict)
-    memo: OrderedDict[Hash, int] = field(default_factory=OrderedDict)
-    capacity: int | None = None
-    batches: int = 0
-    resets: int = 0
-    replays: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "up": self.up,
-            "connected": self.connected,
-            "seq": self.last_applied,
-            "blocks": len(self.gw_holders),
-            "resets": self.resets,
-            "replays": self.replays,
-        }
 
 
 class KVEventSubscriber:
@@ -561,80 +462,3 @@ class KVEventSubscriber:
             stream.memo.popitem(last=False)
         if gone:
             await self.inner.forget(stream.url, gone)
-
-
-class PreciseIndex:
-    """The gateway's ``PrefixIndex`` in precise mode: the index the events keep, with the
-    gateway's own writes adjusted to them (see the module doc)."""
-
-    def __init__(self, inner: PrefixIndex, subscriber: KVEventSubscriber) -> None:
-        self.inner = inner
-        self.subscriber = subscriber
-
-    def __getattr__(self, name: str) -> Any:  # redis_up, fallbacks... of a ResilientIndex
-        return getattr(self.inner, name)
-
-    async def match(self, block_hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
-        return await self.inner.match(block_hashes, replicas)
-
-    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
-        stream = self.subscriber.streams.get(replica)
-        if stream is not None and block_hashes and block_hashes[-1] not in stream.gw_holders:
-            self.subscriber.placed(replica)  # blocks the replica will store: events are due
-        await self.inner.record(replica, block_hashes)
-
-    async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:
-        stream = self.subscriber.streams.get(replica)
-        if stream is not None and stream.up:
-            held = stream.gw_holders
-            block_hashes = [h for h in block_hashes if h not in held]
-        await self.inner.forget(replica, block_hashes)
-
-    async def set_capacity(self, replica: str, blocks_: int) -> None:
-        stream = self.subscriber.streams.get(replica)
-        if stream is not None:
-            stream.capacity = blocks_
-            blocks_ = self.subscriber.capacity_for(stream, blocks_)
-        await self.inner.set_capacity(replica, blocks_)
-
-    async def drop_replica(self, replica: str) -> None:
-        """The replica restarted or left (or its reports contradict the index): what the
-        events taught about it goes too; the events that follow rebuild it."""
-        stream = self.subscriber.streams.get(replica)
-        if stream is not None:
-            self.subscriber.restart(stream)
-        await self.inner.drop_replica(replica)
-
-    def size(self, replica: str) -> int:
-        return self.inner.size(replica)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-async def start_for(gateway: Any) -> KVEventSubscriber:
-    """The subscriber for a ``router.app.Gateway`` per its config, started; the gateway's
-    index becomes the subscriber's ``PreciseIndex``."""
-    config = gateway.config
-    fleet = gateway.fleet
-
-    def endpoints(urls: Iterable[str]) -> dict[str, Endpoints]:
-        return endpoints_from_config(
-            urls,
-            config.kv_events_endpoints,
-            config.kv_events_port,
-            config.kv_events_replay_port,
-        )
-
-    sub = KVEventSubscriber(
-        gateway.index,
-        endpoints,
-        lambda: list(fleet.replicas),
-        lambda: gateway.block_size,
-        topic=config.kv_events_topic,
-        timeout_s=config.kv_events_timeout_s,
-        metrics=gateway.metrics,
-    )
-    gateway.index = sub.index
-    await sub.start()
-    return sub

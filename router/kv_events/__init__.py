@@ -1,0 +1,80 @@
+"""Precise mode: keep the index exact per replica from vLLM's own KV cache events.
+
+One ZMQ SUB socket per replica (``router.kv_wire`` decodes). A ``BlockStored`` names vLLM's
+hashes, the parent's vLLM hash and the blocks' token ids; the gateway's hash of each block
+is computed with ``router.blocks``' chain from the parent's *gateway* hash (kept per replica,
+vLLM hash -> gateway hash), or from ``root_hash(salt, lora)`` for block 0, the salt read from
+block 0's extra keys and the adapter from ``lora_name``: so salted and LoRA blocks stay apart
+exactly as on the replica. Stored blocks are recorded, removed ones forgotten, and
+``AllBlocksCleared`` drops the replica. A hash may be held by several physical blocks (two
+requests computing the same prefix at once): each store counts, each removal uncounts, and the
+block leaves the index when no holder is left.
+
+Sequence numbers: a live message past the next expected seq is a gap, caught up from the
+replay socket (``[b"", start]`` to vLLM's ROUTER). If the replay cannot cover it (no replay
+endpoint, buffer too short, no answer), or the live seq goes backwards (a new publisher
+process), the replica is reset: its index entries are dropped and rebuilt from the events that
+follow. A stale "held" entry sends prefixes to a cold replica; a missing one only misses an
+affinity, so doubt resolves to forgetting.
+
+How it combines with the approximate model: the gateway still records a prompt's blocks when
+it places a request (events arrive only once the replica schedules it, and a second request
+for the same prefix must follow the first meanwhile). These records are self-confirming: the
+replica stores every full block of the prompt, so the events that follow record the same
+hashes, and its evictions remove them. What events never confirm (a request that failed, a
+tokenization the replica does not share) stays as it does in approximate mode, until LRU trims
+it or reported cached tokens correct it. Retracting a failed request's blocks (``forget``)
+spares blocks the events say are held.
+
+Liveness, per replica: up while the SUB socket is connected (ZMQ's socket monitor) and the
+replica answers placements with events: a placement after which no event came for
+``timeout_s`` marks it down (the publisher is wedged, or misconfigured, e.g. a wrong topic).
+Down, the replica is routed on the approximate model, which placements kept feeding all along:
+``prefix_router_kv_events_up{replica}`` says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from router.kv_events.precise_index import PreciseIndex
+from router.kv_events.streams import Endpoints, Stream, endpoints_from_config
+from router.kv_events.subscriber import KVEventSubscriber
+
+__all__ = [
+    "Endpoints",
+    "KVEventSubscriber",
+    "PreciseIndex",
+    "Stream",
+    "endpoints_from_config",
+    "start_for",
+]
+
+
+async def start_for(gateway: Any) -> KVEventSubscriber:
+    """The subscriber for a ``router.gateway.Gateway`` per its config, started; the gateway's
+    index becomes the subscriber's ``PreciseIndex``."""
+    config = gateway.config
+    fleet = gateway.fleet
+
+    def endpoints(urls: Iterable[str]) -> dict[str, Endpoints]:
+        return endpoints_from_config(
+            urls,
+            config.kv_events_endpoints,
+            config.kv_events_port,
+            config.kv_events_replay_port,
+        )
+
+    sub = KVEventSubscriber(
+        gateway.index,
+        endpoints,
+        lambda: list(fleet.replicas),
+        lambda: gateway.block_size,
+        topic=config.kv_events_topic,
+        timeout_s=config.kv_events_timeout_s,
+        metrics=gateway.metrics,
+    )
+    gateway.index = sub.index
+    await sub.start()
+    return sub

@@ -1,0 +1,83 @@
+"""One replica's KV event stream: where its publisher is, and what its events taught."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from router.kv_wire import (
+    Hash,
+)
+
+
+@dataclass
+class Endpoints:
+    pub: str
+    replay: str | None = None
+
+
+def endpoints_from_config(
+    urls: Iterable[str],
+    explicit: Mapping[str, Any],
+    port: int,
+    replay_port: int | None,
+) -> dict[str, Endpoints]:
+    """Each replica's publisher: ``explicit[url]`` (an endpoint string, or a mapping with
+    ``endpoint`` and optional ``replay_endpoint``), else the replica's host with ``port``."""
+    out = {}
+    for url in urls:
+        given = explicit.get(url)
+        if isinstance(given, str):
+            out[url] = Endpoints(given)
+        elif isinstance(given, Mapping):
+            out[url] = Endpoints(str(given["endpoint"]), given.get("replay_endpoint"))
+        else:
+            host = urlsplit(url).hostname or "127.0.0.1"
+            shown = f"[{host}]" if ":" in host else host
+            replay = f"tcp://{shown}:{replay_port}" if replay_port else None
+            out[url] = Endpoints(f"tcp://{shown}:{port}", replay)
+    return out
+
+
+@dataclass
+class Stream:
+    """One replica's event stream and what it taught us."""
+
+    url: str
+    endpoints: Endpoints
+    sub: zmq.asyncio.Socket | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one applier at a time, in order
+    connected: bool = False
+    disconnects: int = 0
+    disconnected_since: float | None = None
+    up: bool = False
+    last_applied: int | None = None  # seq of the last batch applied
+    live_seq: int | None = None  # seq of the last message on the SUB socket
+    expect_since: float | None = None  # a placement not followed by any event yet
+    # vLLM hash -> [gateway hash, holders]; gateway hash -> holders
+    held: dict[Hash, list[int]] = field(default_factory=dict)
+    gw_holders: dict[int, int] = field(default_factory=dict)
+    memo: OrderedDict[Hash, int] = field(default_factory=OrderedDict)
+    capacity: int | None = None
+    batches: int = 0
+    resets: int = 0
+    replays: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "up": self.up,
+            "connected": self.connected,
+            "seq": self.last_applied,
+            "blocks": len(self.gw_holders),
+            "resets": self.resets,
+            "replays": self.replays,
+        }
