@@ -30,6 +30,8 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import blocks
+from router.api import routes as api_routes
+from router.api.convert import to_chat
 from router.body import read_body as read_request_body
 from router.config import Config
 from router.errors import APIError, bad_request
@@ -60,7 +62,12 @@ LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a
 LINGER_S = 1.0  # how long an unread body is drained before its connection closes
 REQUEST_ID = web.RequestKey("request_id", str)
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +80,7 @@ class _Admitted:
     model: str
     lora: str | None
     salt: SaltDecision
+    chat: dict[str, Any] | None = None  # the chat body rendered, for every API but completions
 
 
 def release_free_memory() -> None:
@@ -336,7 +344,8 @@ class Gateway:
             max_blocks=self.config.max_hashed_blocks,
         )
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        limits = admitted.chat if admitted.chat is not None else body
+        max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
         app_label = headers.get(APP_HEADER) or None
         return RoutedRequest(
             request_id=request_id,
@@ -373,8 +382,9 @@ class Gateway:
         if fleet is not None:
             self._serving(model)
         lora = model if fleet and fleet.adapter_parent(model) else None
+        chat = to_chat(endpoint, body)
         salt = self.tenancy.salt(
-            tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
+            tenant, body.get("cache_salt"), chat.get("messages") if chat is not None else None
         )
         client_body = body
         if salt.salt != body.get("cache_salt"):
@@ -383,14 +393,16 @@ class Gateway:
                 body.pop("cache_salt", None)
             else:
                 body["cache_salt"] = salt.salt
-        return _Admitted(endpoint, body, client_body, model, lora, salt)
+            if endpoint == "chat":
+                chat = body
+        return _Admitted(endpoint, body, client_body, model, lora, salt, chat)
 
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
         renderer = self._renderer()
         # The segment cache is scoped like the replicas' prefix caches: by the salt sent.
         with renderer.cache_scope(admitted.salt.salt):
-            if admitted.endpoint == "chat":
-                return renderer.chat_ids(admitted.body)
+            if admitted.chat is not None:
+                return renderer.chat_ids(admitted.chat)
             # Honours add_special_tokens and truncation; a batch routes on its first prompt.
             return renderer.completion_request_ids(admitted.body)[0]
 
@@ -423,6 +435,8 @@ class Gateway:
     async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         t0 = time.perf_counter()
         replicas = self._serving(rr.model, exclude)
+        if pinned := rr.extras.get("pinned_replica"):  # holds the state the request names
+            replicas = [r for r in replicas if r.url == pinned] or replicas
         urls = [r.url for r in replicas]
         matches = await self.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
@@ -810,6 +824,8 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         v = body.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise bad_request(f"{key} must be a non-negative integer", key)
+    if endpoint in ("messages", "responses"):
+        return body  # checked by its converter (router/api/)
     if endpoint == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -945,6 +961,7 @@ def build_app(
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.prometheus)
+    api_routes.register(app, gateway)  # Messages, Responses, and the forwarded endpoints
     for extend in extensions:
         extend(app, gateway)
 
