@@ -321,3 +321,40 @@ def test_converters_match_vllm_on_tool_use_and_thinking():
     assert rchat["tools"] == [
         {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
     ]
+
+
+async def test_previous_response_id_reaches_its_replica_via_another_gateway(
+    fleet, gateway, redis_server
+):
+    from router.index.redis import make_client
+    from tests.helpers import wait_for
+
+    replicas = await fleet(3)
+    urls = [r.url for r in replicas]
+    g1 = await gateway(urls, redis_url=redis_server.url)
+    g2 = await gateway(urls, redis_url=redis_server.url)
+    rclient = make_client(redis_server.url, socket_timeout=2.0, connect_timeout=1.0)
+    async with aiohttp.ClientSession() as s:
+        try:
+            status, h1, first = await post(
+                s,
+                g1.url + "/v1/responses",
+                {"model": MODEL, "input": "Hello", "max_output_tokens": 3},
+            )
+            assert status == 200, first
+            key = f"{g1.gateway.config.redis_prefix}:resp:{first['id']}"
+
+            async def shared() -> bool:
+                return await rclient.get(key) is not None
+
+            await wait_for(shared, what="the response id in Redis")
+            for _ in range(3):
+                status, h2, body = await post(
+                    s,
+                    g2.url + "/v1/responses",
+                    {"model": MODEL, "previous_response_id": first["id"], "input": "More?"},
+                )
+                assert status == 200, body
+                assert h2[REPLICA_HDR] == h1[REPLICA_HDR]
+        finally:
+            await rclient.aclose()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("prefix_router")
@@ -31,12 +32,19 @@ class ResponseReplicas:
     """response id -> replica URL, bounded; shared through Redis when given a client."""
 
     def __init__(
-        self, capacity: int = DEFAULT_CAPACITY, redis: Any = None, namespace: str = ""
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        redis: Callable[[], Any] = lambda: None,
+        namespace: str = "",
     ) -> None:
         self.capacity = capacity
         self._map: OrderedDict[str, str] = OrderedDict()
-        self.redis = redis
+        self._redis = redis  # the client once the gateway has started in fleet mode, or None
         self.namespace = namespace
+
+    @property
+    def redis(self) -> Any:
+        return self._redis()
 
     def _key(self, response_id: str) -> str:
         return f"{self.namespace}:resp:{response_id}"
@@ -50,9 +58,10 @@ class ResponseReplicas:
 
     async def share(self, response_id: str, replica: str) -> None:
         """In Redis, for the other gateways of the fleet."""
-        if self.redis is not None:
+        client = self.redis
+        if client is not None:
             try:
-                await self.redis.set(self._key(response_id), replica, ex=REDIS_TTL_S)
+                await client.set(self._key(response_id), replica, ex=REDIS_TTL_S)
             except Exception as e:  # Redis down: this gateway still routes its own follow-ups
                 log.debug("storing response %s in Redis failed: %r", response_id, e)
 
@@ -61,10 +70,11 @@ class ResponseReplicas:
         if url is not None:
             self._map.move_to_end(response_id)
             return url
-        if self.redis is None:
+        client = self.redis
+        if client is None:
             return None
         try:
-            value = await self.redis.get(self._key(response_id))
+            value = await client.get(self._key(response_id))
         except Exception as e:
             log.debug("looking up response %s in Redis failed: %r", response_id, e)
             return None

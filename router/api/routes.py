@@ -42,16 +42,9 @@ class _LearnResponseIds:
 def register(app: web.Application, gateway: Gateway) -> None:
     from router.app import REQUEST_ID
 
-    ids = ResponseReplicas()
+    # Fleet mode's Redis client exists once the gateway has started.
+    ids = ResponseReplicas(redis=lambda: gateway.redis, namespace=gateway.config.redis_prefix)
     gateway.observers.append(_LearnResponseIds(gateway, ids))
-
-    async def on_startup(app: web.Application) -> None:
-        # After the gateway's own start-up, which opened the fleet's Redis client.
-        if gateway.redis is not None:
-            ids.redis = gateway.redis
-            ids.namespace = gateway.config.redis_prefix
-
-    app.on_startup.append(on_startup)
 
     async def messages(request: web.Request) -> web.StreamResponse:
         try:
