@@ -358,3 +358,25 @@ async def test_previous_response_id_reaches_its_replica_via_another_gateway(
                 assert h2[REPLICA_HDR] == h1[REPLICA_HDR]
         finally:
             await rclient.aclose()
+
+
+async def test_explain_accepts_messages_and_responses_bodies(fleet, gateway, renderer):
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url])
+    mbody = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "system": LONG_SYSTEM,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    rbody = {"model": MODEL, "instructions": LONG_SYSTEM, "input": "x"}
+    async with aiohttp.ClientSession() as s:
+        status, _, m = await post(
+            s, gw.url + "/v1/route/explain?endpoint=messages&token_ids=1", mbody
+        )
+        assert status == 200, m
+        status, _, r = await post(s, gw.url + "/v1/route/explain?token_ids=1", rbody)
+        assert status == 200, r
+    assert m["endpoint"] == "messages" and r["endpoint"] == "responses"
+    # Same system text and user turn: the two APIs render the same prompt.
+    assert m["token_ids"] == r["token_ids"] == list(renderer.chat_ids(anthropic_api.to_chat(mbody)))
