@@ -94,7 +94,11 @@ class Apis:
         mid = f"msg_{uuid.uuid4().hex}"
         text = self.r.generation._text(seq.output_ids)
         p, c, cached = seq.num_prompt_tokens, seq.max_tokens, self._cached(seq)
-        usage = {"input_tokens": p, "output_tokens": c, "cache_read_input_tokens": cached}
+        # vLLM's _build_anthropic_usage: input_tokens excludes the cache read, which is
+        # reported only with --enable-prompt-tokens-details.
+        usage: dict[str, int] = {"input_tokens": p - cached, "output_tokens": c}
+        if self.r.config.enable_prompt_tokens_details:
+            usage["cache_read_input_tokens"] = cached
         stop = "max_tokens" if seq.finish_reason == "length" else "end_turn"
         if not body.get("stream"):
             return json_response(

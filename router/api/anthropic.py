@@ -1,11 +1,12 @@
 """Anthropic Messages body -> the chat-completions body vLLM renders for it.
 
 As vllm/entrypoints/anthropic/serving.py (``_convert_anthropic_to_openai_request``) does:
-the system text (string, or text blocks without Claude Code's billing header, plus any
-``role: system`` messages) joined with no separator; text blocks as text parts (one text
+the top-level system text (string, or text blocks without Claude Code's billing header)
+joined with no separator; text blocks as text parts (one text
 block becomes a plain string); ``thinking`` blocks as the message's ``reasoning``;
 ``tool_use`` as ``tool_calls`` with ``json.dumps(input)`` arguments; a user's
-``tool_result`` as a ``tool`` message; images as ``image_url`` parts (which the renderer
+``tool_result`` as a ``tool`` message; inline ``role: system`` messages kept in place;
+``thinking: {"type": "disabled"}`` as ``reasoning_effort: "none"``; images as ``image_url`` parts (which the renderer
 refuses: the served model is not multimodal). ``cache_control`` is ignored, as vLLM does.
 """
 
@@ -59,14 +60,16 @@ def _system_parts(body: dict[str, Any]) -> list[str]:
             parts.append(system)
     elif system is not None:
         parts += _texts(_blocks(system, "system"))
-    for i, msg in enumerate(body["messages"]):
-        if msg["role"] == "system":
-            content = msg.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            else:
-                parts += _texts(_blocks(content, f"messages.{i}.content"))
     return parts
+
+
+def _inline_system(msg: dict[str, Any], i: int) -> str | None:
+    """A ``role: system`` message's text, billing header stripped (kept in place, as vLLM
+    does unless the template demands system-first ordering)."""
+    content = msg.get("content")
+    if isinstance(content, str):
+        return None if content.startswith(_BILLING_HEADER) else content
+    return "".join(_texts(_blocks(content, f"messages.{i}.content"))) or None
 
 
 def _texts(blocks: list[dict[str, Any]]) -> list[str]:
@@ -112,12 +115,13 @@ def _tool_result(block: dict[str, Any]) -> list[dict[str, Any]]:
                     refs.append({"type": "tool_reference", "name": name})
         text = "\n".join(texts)
     call_id = block.get("tool_use_id") or ""
-    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": call_id, "content": text}]
+    tool_content: str | list[dict[str, Any]] = text or ""
+    if refs:  # one tool message: the references first, then the text
+        tool_content = refs + ([{"type": "text", "text": text}] if text else [])
+    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": call_id, "content": tool_content}]
     if images:
         parts = [{"type": "image_url", "image_url": {"url": u}} for u in images]
         out.append({"role": "user", "content": parts})
-    if refs:
-        out.append({"role": "tool", "tool_call_id": call_id, "content": refs})
     return out
 
 
@@ -191,16 +195,15 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for j, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad_request(f"tools[{j}] must be an object with a string name", "tools")
-        out.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": tool["name"],
-                    "description": tool.get("description"),
-                    "parameters": tool.get("input_schema"),
-                },
-            }
-        )
+        function = {
+            "name": tool["name"],
+            "description": tool.get("description"),
+            "parameters": tool.get("input_schema"),
+        }
+        for key in ("strict", "defer_loading"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        out.append({"type": "function", "function": function})
     return out
 
 
@@ -224,16 +227,23 @@ def to_chat(body: dict[str, Any], *, count_tokens: bool = False) -> dict[str, An
     if system:
         chat_messages.append({"role": "system", "content": "".join(system)})
     for i, m in enumerate(messages):
-        if m["role"] != "system":
+        if m["role"] == "system":
+            text = _inline_system(m, i)
+            if text:
+                chat_messages.append({"role": "system", "content": text})
+        else:
             _message(m, i, chat_messages)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages}
     if body.get("chat_template_kwargs") is not None:
         chat["chat_template_kwargs"] = body["chat_template_kwargs"]
     if not count_tokens:
         chat["max_tokens"] = body["max_tokens"]
-        output_config = body.get("output_config")
-        if isinstance(output_config, dict) and output_config.get("effort") is not None:
-            chat["reasoning_effort"] = output_config["effort"]
+    output_config = body.get("output_config")
+    if isinstance(output_config, dict) and output_config.get("effort") is not None:
+        chat["reasoning_effort"] = output_config["effort"]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("disabled", "between_tools"):
+        chat["reasoning_effort"] = "none"  # vLLM's default for templates with enable_thinking
     choice = _tool_choice(body.get("tool_choice"))
     if choice is not None:
         chat["tool_choice"] = choice
