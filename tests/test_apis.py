@@ -3,11 +3,15 @@ official SDKs -> gateway -> simulated vLLM replicas, over real sockets."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import aiohttp
 import pytest
 
 from router.api import anthropic as anthropic_api
 from router.api import responses as responses_api
+from router.api.convert import to_chat
 from tests.helpers import LONG_SYSTEM, post
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -380,3 +384,16 @@ async def test_explain_accepts_messages_and_responses_bodies(fleet, gateway, ren
     assert m["endpoint"] == "messages" and r["endpoint"] == "responses"
     # Same system text and user turn: the two APIs render the same prompt.
     assert m["token_ids"] == r["token_ids"] == list(renderer.chat_ids(anthropic_api.to_chat(mbody)))
+
+
+# Anthropic and Responses bodies with the ids vLLM 0.34.0 computes for them: vLLM's own
+# converters and renderer, run by tools/make_api_fixtures.py in the oracle's venv.
+API_FIXTURE = Path(__file__).parent / "data" / "api_oracle_cases.jsonl"
+API_CASES = [json.loads(line) for line in API_FIXTURE.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("case", API_CASES, ids=lambda c: c["id"])
+def test_converted_bodies_render_as_vllm_does(case, renderer):
+    assert "token_ids" in case["expected"], case["expected"]
+    chat = to_chat(case["api"], case["body"])
+    assert list(renderer.chat_ids(chat)) == case["expected"]["token_ids"]

@@ -157,15 +157,13 @@ MESSAGES: list[tuple[str, dict[str, Any]]] = [
 RESPONSES: list[tuple[str, dict[str, Any]]] = [
     ("resp_instructions_string", {"instructions": LONG, "input": "Hi"}),
     (
-        "resp_items_input_text_developer",
+        # (No input_text parts: the oracle renders through a ChatCompletionRequest, which
+        # rejects them, where vLLM's Responses path takes them as text.)
+        "resp_items_message_developer",
         {
             "input": [
                 {"role": "developer", "content": "Use tabs."},
-                {
-                    "type": "message",
-                    "role": "user",
-                    "content": [{"type": "input_text", "text": "Hello"}],
-                },
+                {"type": "message", "role": "user", "content": "Hello"},
             ]
         },
     ),
@@ -218,11 +216,14 @@ from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.openai.responses.utils import (
     construct_input_messages, construct_tool_dicts, should_continue_final_message)
+template = json.load(open("model/qwen3/tokenizer_config.json"))["chat_template"]
+merge = AnthropicServingMessages._detect_merge_inline_system(template)
+print("merge_inline_system", merge, file=sys.stderr)
 for line in sys.stdin:
     case = json.loads(line)
     if case["api"] == "messages":
         req = AnthropicMessagesRequest.model_validate(case["body"])
-        chat = AnthropicServingMessages._convert_anthropic_to_openai_request(req)
+        chat = AnthropicServingMessages.to_chat_completion_request(req, merge_inline_system=merge)
         out = json.loads(chat.model_dump_json(exclude_none=True))
         out = {k: out[k] for k in ("messages", "tools", "tool_choice") if k in out}
     else:
@@ -256,8 +257,15 @@ def main() -> int:
     cases += [{"id": i, "api": "responses", "body": {"model": "m", **b}} for i, b in RESPONSES]
     lines = "".join(json.dumps(c) + "\n" for c in cases)
     converted = subprocess.run(
-        [str(py), "-c", CONVERT], input=lines, capture_output=True, text=True, env=env, check=False
+        [str(py), "-c", CONVERT],
+        input=lines,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=args.oracle,
+        check=False,
     )
+    sys.stderr.write("".join(ln + "\n" for ln in converted.stderr.splitlines() if "merge" in ln))
     if converted.returncode:
         sys.stderr.write(converted.stderr[-4000:])
         return 1
