@@ -961,7 +961,7 @@ def build_app(
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/ready", gateway.ready)
     app.router.add_get("/metrics", gateway.prometheus)
-    api_routes.register(app, gateway)  # Messages, Responses, and the forwarded endpoints
+    api_routes.register(app, gateway, REQUEST_ID)  # Messages, Responses, forwarded endpoints
     for extend in extensions:
         extend(app, gateway)
 

@@ -4,6 +4,7 @@ replica before the first byte. JSON bodies, and multipart ones (audio uploads) a
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -38,9 +39,13 @@ MULTIPART = "multipart/form-data"
 def _model_of(raw: bytes, content_type: str) -> str | None:
     if content_type.startswith(MULTIPART):
         return None  # an upload: any replica serving the base model takes it
-    from router.app import parse_json_object
-
-    model = parse_json_object(raw).get("model")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
     return model

@@ -39,9 +39,8 @@ class _LearnResponseIds:
                 self.gateway._spawn(self.ids.share(response_id, decision.replica))
 
 
-def register(app: web.Application, gateway: Gateway) -> None:
-    from router.app import REQUEST_ID
-
+def register(app: web.Application, gateway: Gateway, REQUEST_ID: web.RequestKey[str]) -> None:  # noqa: N803
+    """``REQUEST_ID``: the key the gateway's middleware stores each request's id under."""
     # Fleet mode's Redis client exists once the gateway has started.
     ids = ResponseReplicas(redis=lambda: gateway.redis, namespace=gateway.config.redis_prefix)
     gateway.observers.append(_LearnResponseIds(gateway, ids))
