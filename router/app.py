@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.api import routes as api_routes
 from router.config import Config
 from router.errors import APIError
 from router.gateway import Gateway
@@ -109,6 +110,7 @@ def build_app(
     app.router.add_get("/health", routes.health)
     app.router.add_get("/ready", routes.ready)
     app.router.add_get("/metrics", routes.prometheus)
+    api_routes.register(app, routes, REQUEST_ID)  # Messages, Responses, forwarded endpoints
     for extend in extensions:
         extend(app, gateway)
 

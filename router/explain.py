@@ -30,12 +30,15 @@ SHOWN_HASHES = 8
 
 
 def endpoint_of(body: Any, hint: str | None = None) -> Endpoint:
-    if hint in ("chat", "completions"):
+    if hint in ("chat", "completions", "messages", "responses"):
         return hint  # type: ignore[return-value]
     if hint not in (None, ""):
-        raise bad_request("endpoint must be chat or completions", "endpoint")
+        raise bad_request("endpoint must be chat, completions, messages or responses", "endpoint")
     if isinstance(body, dict) and "messages" in body:
+        # Anthropic's Messages API shares the key: ``endpoint=messages`` tells them apart.
         return "chat"
+    if isinstance(body, dict) and "input" in body:
+        return "responses"
     if isinstance(body, dict) and "prompt" in body:
         return "completions"
     raise bad_request("cannot tell the endpoint: the body has neither messages nor prompt")

@@ -8,6 +8,7 @@ the bytes go to the client as they come, and a failure just ends the response.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class Outcome:
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, when reported
     completion_tokens: int | None
     complete: bool  # the whole upstream body reached the client
+    head: bytes = b""  # the answer's first bytes (at most HEAD_BYTES), for observers
 
 
 def header_allow_list(auth: bool, forward_headers: Sequence[str]) -> frozenset[str] | None:
@@ -144,40 +146,55 @@ def _response_headers(
     return out
 
 
+# The last ``"usage":`` key in a body or an SSE tail (not one inside a JSON string, which
+# would be ``\\"usage\\"``): every API puts its final usage last (chat's last chunk,
+# Anthropic's message_delta, Responses' response.completed, whose event may be longer than
+# the tail kept, so the object is decoded from the key on, not from the event's start).
+_USAGE_KEY = re.compile(rb'(?<!\\)"usage"\s*:\s*')
+_DECODER = json.JSONDecoder()
+HEAD_BYTES = 4096  # the start of an answer kept for observers (a Responses id)
+
+
 def usage_of(body: bytes) -> tuple[int | None, int | None]:
-    """(cached_tokens, completion_tokens) from a JSON body or an SSE tail, if reported."""
+    """(cached_tokens, completion_tokens) from a JSON body or an SSE tail, if reported.
+
+    Cached tokens as each API reports them: chat/completions
+    ``prompt_tokens_details.cached_tokens``, Responses ``input_tokens_details.cached_tokens``,
+    Anthropic ``cache_read_input_tokens``."""
     if b'"usage"' not in body:
         return None, None
-    candidates = [body]
-    if body.lstrip().startswith(b"data:") or b"\ndata:" in body:
-        candidates = [
-            ev.strip()[5:].strip()
-            for ev in body.split(b"\n\n")
-            if ev.strip().startswith(b"data:") and b'"usage"' in ev
-        ]
-        candidates.reverse()
-    for raw in candidates:
+    for m in reversed(list(_USAGE_KEY.finditer(body))):
         try:
-            usage = json.loads(raw).get("usage") or {}
-        except (ValueError, AttributeError):
+            usage, _ = _DECODER.raw_decode(body[m.end() :].decode("utf-8", "replace"))
+        except ValueError:
             continue
         if not isinstance(usage, dict):
             continue
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        completion = usage.get("completion_tokens")
+        cached: object = None
+        for key in ("prompt_tokens_details", "input_tokens_details"):
+            details = usage.get(key)
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                cached = details.get("cached_tokens")
+                break
+        if cached is None:
+            cached = usage.get("cache_read_input_tokens")
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
         return (
-            cached if isinstance(cached, int) else None,
-            completion if isinstance(completion, int) else None,
+            cached if type(cached) is int else None,
+            completion if type(completion) is int else None,
         )
     return None, None
 
 
 StreamErrorShape = Literal["openai", "anthropic"]
 STREAM_CUT_MESSAGE = "upstream replica closed the stream before it finished"
-# The API each endpoint speaks, for errors told mid-stream (an Anthropic-style /v1/messages
-# would map to "anthropic").
-STREAM_ERROR_SHAPES: dict[str, StreamErrorShape] = {"chat": "openai", "completions": "openai"}
+# The API each endpoint speaks, for errors told mid-stream.
+STREAM_ERROR_SHAPES: dict[str, StreamErrorShape] = {
+    "chat": "openai",
+    "completions": "openai",
+    "responses": "openai",
+    "messages": "anthropic",
+}
 
 
 def stream_error_event(shape: StreamErrorShape, message: str = STREAM_CUT_MESSAGE) -> bytes:
@@ -236,7 +253,8 @@ async def proxy(
             first = time.perf_counter() - start
             cached, completion = usage_of(data) if upstream.status == 200 else (None, None)
             resp = web.Response(status=upstream.status, body=data, headers=out_headers)
-            return resp, Outcome(upstream.status, first, cached, completion, True)
+            outcome = Outcome(upstream.status, first, cached, completion, True, data[:HEAD_BYTES])
+            return resp, outcome
 
         # Streaming: relay chunk by chunk; the response is committed at the first chunk.
         chunks = upstream.iter_chunks()
@@ -275,7 +293,8 @@ async def proxy(
         if not complete:
             upstream.close()  # drop the connection so the engine aborts the request
         cached, completion = usage_of(tail) if upstream.status == 200 else (None, None)
-        return stream, Outcome(upstream.status, first, cached, completion, complete)
+        head = first_chunk[:HEAD_BYTES]
+        return stream, Outcome(upstream.status, first, cached, completion, complete, head)
     except BaseException:
         upstream.close()  # cancelled (client gone) or failed: never reuse a half-read socket
         raise

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from router import blocks
+from router.api.convert import to_chat
 from router.config import Config
 from router.discovery import DnsDiscovery
 from router.errors import APIError
@@ -61,6 +62,7 @@ class _Admitted:
     model: str
     lora: str | None
     salt: SaltDecision
+    chat: dict[str, Any] | None = None  # the chat body rendered, for every API but completions
 
 
 def release_free_memory() -> None:
@@ -290,7 +292,8 @@ class Gateway:
             max_blocks=self.config.max_hashed_blocks,
         )
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        limits = admitted.chat if admitted.chat is not None else body
+        max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
         app_label = headers.get(APP_HEADER) or None
         return RoutedRequest(
             request_id=request_id,
@@ -325,13 +328,14 @@ class Gateway:
         if model is None:
             model = (fleet.base_model() if fleet else None) or ""
         if fleet is not None:
-            self._serving(model)
+            self.serving(model)
         lora = model if fleet and fleet.adapter_parent(model) else None
         if fleet is not None:  # what cannot fit the context is refused before rendering
             card = fleet.models().get(model) or {}
             check_fits(body, card.get("max_model_len"), self._renderer().max_chars_per_token())
+        chat = to_chat(endpoint, body)
         salt = self.tenancy.salt(
-            tenant, body.get("cache_salt"), body.get("messages") if endpoint == "chat" else None
+            tenant, body.get("cache_salt"), chat.get("messages") if chat is not None else None
         )
         client_body = body
         if salt.salt != body.get("cache_salt"):
@@ -340,14 +344,16 @@ class Gateway:
                 body.pop("cache_salt", None)
             else:
                 body["cache_salt"] = salt.salt
-        return _Admitted(endpoint, body, client_body, model, lora, salt)
+            if endpoint == "chat":
+                chat = body
+        return _Admitted(endpoint, body, client_body, model, lora, salt, chat)
 
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
         renderer = self._renderer()
         # The segment cache is scoped like the replicas' prefix caches: by the salt sent.
         with renderer.cache_scope(admitted.salt.salt):
-            if admitted.endpoint == "chat":
-                return renderer.chat_ids(admitted.body)
+            if admitted.chat is not None:
+                return renderer.chat_ids(admitted.chat)
             # Honours add_special_tokens and truncation; a batch routes on its first prompt.
             return renderer.completion_request_ids(admitted.body)[0]
 
@@ -357,7 +363,7 @@ class Gateway:
         admitted = self._admit(raw, endpoint, tenant)
         return admitted, self._tokenize(admitted)
 
-    def _serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+    def serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
         """The replicas that can take a request for ``model``, or the error that says why
         none can."""
         assert self.fleet is not None
@@ -379,7 +385,9 @@ class Gateway:
 
     async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         t0 = time.perf_counter()
-        replicas = self._serving(rr.model, exclude)
+        replicas = self.serving(rr.model, exclude)
+        if pinned := rr.extras.get("pinned_replica"):  # holds the state the request names
+            replicas = [r for r in replicas if r.url == pinned] or replicas
         urls = [r.url for r in replicas]
         matches = await self.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])

@@ -32,7 +32,12 @@ from router.upstream import UpstreamPool
 log = logging.getLogger("prefix_router")
 
 REQUEST_ID = web.RequestKey("request_id", str)
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
 
 
 def why_label(why: str) -> str:
@@ -90,7 +95,7 @@ class Handlers:
         raw = await self.read_body(request)
         try:
             rr = await self.gw.prepare(raw, request.headers, endpoint, request_id, tenant)
-            return await self._route(request, rr)
+            return await self.route_prepared(request, rr)
         finally:
             if len(raw) > LARGE_BODY_BYTES:
                 self.gw.spawn(self._trim_heap())
@@ -99,7 +104,7 @@ class Handlers:
         """Hand the memory a large request used back to the OS (glibc keeps freed arenas)."""
         await asyncio.get_running_loop().run_in_executor(self.gw.executor, release_free_memory)
 
-    async def _route(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
+    async def route_prepared(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
         request_id = rr.request_id
         assert self.gw.fleet is not None
         raw = rr.extras.get("raw")

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Endpoint = Literal["chat", "completions"]
+# "messages" (Anthropic) and "responses" (OpenAI Responses) are rendered as chat.
+Endpoint = Literal["chat", "completions", "messages", "responses"]
 
 
 @dataclass(frozen=True, slots=True)

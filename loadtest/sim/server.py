@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from loadtest.sim.apis import Apis
 from loadtest.sim.config import SimConfig
 from loadtest.sim.endpoints import Endpoints
 from loadtest.sim.engine import Engine, new_stats
@@ -214,7 +215,8 @@ class SimReplica:
     # ------------------------------------------------------------------ app
 
     def _build_app(self) -> web.Application:
-        gen, other = Generation(self), Endpoints(self)
+        gen, other, apis = Generation(self), Endpoints(self), Apis(self)
+        self.generation = gen
         app = web.Application(client_max_size=256 * 2**20, middlewares=[self._middleware])
         r = app.router
         r.add_post("/v1/chat/completions", gen.chat)
@@ -226,6 +228,9 @@ class SimReplica:
         r.add_get("/version", other.version)
         r.add_get("/metrics", other.metrics)
         r.add_post("/reset_prefix_cache", other.reset_prefix_cache)
+        r.add_post("/v1/messages", apis.messages)
+        r.add_post("/v1/messages/count_tokens", apis.count_tokens)
+        r.add_post("/v1/responses", apis.responses)
         return app
 
     @web.middleware

@@ -1,0 +1,136 @@
+"""vLLM endpoints the gateway forwards without routing on a prompt: to the least-loaded
+healthy replica serving the body's model, with auth, a request id, and retries on another
+replica before the first byte. JSON bodies, and multipart ones (audio uploads) as sent."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from router.errors import APIError, bad_request
+from router.forward import UpstreamUnavailable, proxy, request_headers
+
+if TYPE_CHECKING:
+    from router.handlers import Handlers
+
+# POST routes vLLM 0.34.0 serves beside the routed ones (vllm/entrypoints/.../api_router.py).
+POST_PATHS = (
+    "/v1/embeddings",
+    "/pooling",
+    "/classify",
+    "/v1/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+)
+GET_PATHS = ("/version",)
+MULTIPART = "multipart/form-data"
+
+
+def _model_of(raw: bytes, content_type: str) -> str | None:
+    if content_type.startswith(MULTIPART):
+        return None  # an upload: any replica serving the base model takes it
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    return model
+
+
+async def _read(handlers: Handlers, request: web.Request) -> tuple[bytes, str]:
+    content_type = request.headers.get("Content-Type", "").strip().lower()
+    if content_type.startswith(MULTIPART):
+        # Forwarded as sent (its boundary is in the header); bounded by client_max_size.
+        return await request.read(), request.headers["Content-Type"]
+    return await handlers.read_body(request), "application/json"
+
+
+async def forward_post(
+    handlers: Handlers, request: web.Request, request_id: str
+) -> web.StreamResponse:
+    gateway = handlers.gw
+    gateway.tenancy.identify(request.headers)
+    assert gateway.fleet is not None
+    raw, content_type = await _read(handlers, request)
+    model = _model_of(raw, content_type.lower())
+    headers = request_headers(
+        request.headers,
+        request_id,
+        gateway.config.upstream_api_key,
+        not gateway.config.auth,
+        gateway.forward_allow,
+    )
+    headers["Content-Type"] = content_type
+    tried: set[str] = set()
+    last = "no healthy replica is available"
+    for _ in range(gateway.config.max_retries + 1):
+        if model is None:
+            replicas = [r for r in gateway.fleet.healthy() if r.url not in tried]
+            if not replicas:
+                break
+        else:
+            replicas = gateway.serving(model, frozenset(tried))
+        replica = min(replicas, key=lambda r: (r.inflight, r.url))
+        replica.inflight += 1
+        try:
+            resp, _ = await proxy(
+                gateway.upstream,
+                request,
+                replica.url + request.path_qs,
+                raw,
+                headers,
+                {"x-request-id": request_id},
+            )
+            return resp
+        except UpstreamUnavailable as e:
+            tried.add(replica.url)
+            last = f"upstream replica unavailable ({e.why})"
+            await gateway.fleet.record_failure(replica, e.why)
+        finally:
+            replica.inflight -= 1
+    raise APIError(
+        502 if tried else 503, last, code="upstream_unavailable" if tried else "no_replica"
+    )
+
+
+async def forward_get(handlers: Handlers, request: web.Request, request_id: str) -> web.Response:
+    """``/version`` and the like: the first healthy replica's answer, as vLLM gives it."""
+    gateway = handlers.gw
+    gateway.tenancy.identify(request.headers)
+    assert gateway.fleet is not None and gateway.session is not None
+    headers = {"X-Request-Id": request_id}
+    if gateway.config.upstream_api_key:
+        headers["Authorization"] = f"Bearer {gateway.config.upstream_api_key}"
+    for replica in sorted(gateway.fleet.healthy(), key=lambda r: (r.inflight, r.url)):
+        try:
+            async with gateway.session.get(
+                replica.url + request.path_qs,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=gateway.config.connect_timeout_s + 10),
+            ) as up:
+                body = await up.read()
+                if up.status in (502, 503):
+                    continue
+                ctype = up.headers.get("Content-Type", "application/json")
+                return web.Response(
+                    status=up.status,
+                    body=body,
+                    headers={"Content-Type": ctype, "x-request-id": request_id},
+                )
+        except (aiohttp.ClientError, TimeoutError) as e:
+            await gateway.fleet.record_failure(replica, type(e).__name__)
+    raise APIError(503, "no healthy replica is available", code="no_replica")
