@@ -105,11 +105,8 @@ class Gateway:
         # extension): observe(rr, decision, outcome)
         self.observers: list[Any] = []
         self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
-        self.discovery: DnsDiscovery | None = None
-        self.kv_events: KVEventSubscriber | None = (
-            None  # precise mode (router/kv_events.py)  # DNS discovery of replicas, when configured
-        )
-        self._fallbacks_seen = 0
+        self.discovery: DnsDiscovery | None = None  # DNS discovery of replicas, if configured
+        self.kv_events: KVEventSubscriber | None = None  # precise mode (router/kv_events/)
         self.receiving_bytes = 0  # request-body bytes being received now (router/handlers.py)
 
     # -- lifecycle --------------------------------------------------------------------------
