@@ -53,9 +53,11 @@ class Handlers:
         self.gw = gateway
         self._fallbacks_seen = 0
 
-    async def read_body(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request, *, as_sent: bool = False) -> bytes:
         """The request body, once the headers were authenticated: bounded in time and in the
-        bytes all requests may be sending at once, so slow or huge bodies cannot pile up."""
+        bytes all requests may be sending at once, so slow or huge bodies cannot pile up.
+        JSON is checked and decoded (router/body.py); ``as_sent``: the bytes as they came (a
+        multipart upload forwarded whole)."""
         limit = self.gw.config.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
@@ -77,6 +79,8 @@ class Handlers:
         self.gw.receiving_bytes += reserve
         try:
             async with asyncio.timeout(self.gw.config.body_timeout_s):
+                if as_sent:
+                    return await request.read()  # bounded by client_max_size
                 return await read_request_body(request, limit)
         except TimeoutError:
             self.gw.metrics.rejected.labels("body_timeout").inc()

@@ -55,7 +55,7 @@ async def _read(handlers: Handlers, request: web.Request) -> tuple[bytes, str]:
     content_type = request.headers.get("Content-Type", "").strip().lower()
     if content_type.startswith(MULTIPART):
         # Forwarded as sent (its boundary is in the header); bounded by client_max_size.
-        return await request.read(), request.headers["Content-Type"]
+        return await handlers.read_body(request, as_sent=True), request.headers["Content-Type"]
     return await handlers.read_body(request), "application/json"
 
 
