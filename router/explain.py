@@ -8,7 +8,6 @@ token ids and block hashes for request bodies, through the very same ``Gateway.p
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -21,6 +20,7 @@ from router.body import read_body
 from router.config import ConfigError
 from router.errors import APIError, bad_request
 from router.gateway import Gateway
+from router.handlers import admin_key_ok
 from router.offline import offline_gateway
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
@@ -100,8 +100,7 @@ def check_admin(request: web.Request, admin_key: str | None, *, required: bool) 
         if required:
             raise APIError(404, "this admin endpoint is off: configure admin_key to enable it")
         return
-    given = request.headers.get("X-Admin-Key", "")
-    if not hmac.compare_digest(given.encode(), admin_key.encode()):
+    if not admin_key_ok(request, admin_key, accept_bearer=False):
         raise APIError(
             401, "admin endpoints need a valid X-Admin-Key header", code="invalid_admin_key"
         )

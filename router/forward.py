@@ -229,16 +229,18 @@ async def proxy(
     on_first_byte: Callable[[], None] | None = None,
     on_sent: Callable[[], Awaitable[None]] | None = None,
     stream_error: StreamErrorShape = "openai",
+    headers_timeout: float | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
 
     ``on_sent`` runs while the replica works (``UpstreamPool.post``); ``on_first_byte`` when
     its first body bytes arrive (for a stream, the end of its prefill). Raises
     ``UpstreamUnavailable`` only before anything reached the client. A stream the replica
-    cuts ends with one error event in ``stream_error``'s shape and a truncated body."""
+    cuts ends with one error event in ``stream_error``'s shape and a truncated body.
+    ``headers_timeout`` bounds the wait for response headers (default: the pool's)."""
     start = time.perf_counter()
     try:
-        upstream = await pool.post(url, body, headers, on_sent)
+        upstream = await pool.post(url, body, headers, on_sent, timeout=headers_timeout)
     except UpstreamError as e:
         raise UpstreamUnavailable(e.why) from e
     try:

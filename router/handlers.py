@@ -12,8 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -27,7 +26,6 @@ from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
-from router.upstream import UpstreamPool
 
 log = logging.getLogger("prefix_router")
 
@@ -44,6 +42,17 @@ def why_label(why: str) -> str:
     """A failure's kind for a metric label: ``bad response: <parser text>`` -> ``bad response``,
     so label values stay a small, fixed set."""
     return why.split(":", 1)[0][:40]
+
+
+def admin_key_ok(request: web.Request, admin_key: str | None, *, accept_bearer: bool) -> bool:
+    """Whether the request presents ``admin_key`` in ``X-Admin-Key`` (or, with
+    ``accept_bearer``, as a bearer token); never true when no admin key is configured."""
+    given = request.headers.get("X-Admin-Key", "")
+    if not given and accept_bearer:
+        scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            given = bearer.strip()
+    return bool(admin_key) and hmac.compare_digest(given.encode(), str(admin_key).encode())
 
 
 class Handlers:
@@ -201,7 +210,7 @@ class Handlers:
         try:
             url = replica.url + PATHS[rr.endpoint]
             return await proxy(
-                cast(UpstreamPool, _HeadersWithin(self.gw.upstream, timeout)),
+                self.gw.upstream,
                 request,
                 url,
                 body,
@@ -210,6 +219,7 @@ class Handlers:
                 on_first_byte=first_byte,
                 on_sent=lambda: self.gw.record_placement(rr, decision),
                 stream_error=STREAM_ERROR_SHAPES[rr.endpoint],
+                headers_timeout=timeout,
             )
         except asyncio.CancelledError:
             self.gw.metrics.client_disconnects.inc()
@@ -269,12 +279,7 @@ class Handlers:
     def _check_admin(self, request: web.Request) -> None:
         """The admin key, as ``X-Admin-Key`` or as a bearer token (what Prometheus'
         ``authorization`` scrape setting sends)."""
-        key = self.gw.config.admin_key
-        given = request.headers.get("X-Admin-Key", "")
-        scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
-        if not given and scheme.lower() == "bearer":
-            given = bearer.strip()
-        if not key or not hmac.compare_digest(given.encode(), key.encode()):
+        if not admin_key_ok(request, self.gw.config.admin_key, accept_bearer=True):
             raise APIError(
                 401,
                 "with auth on, /metrics needs the admin key (X-Admin-Key or Authorization: "
@@ -321,23 +326,3 @@ class Handlers:
             body=generate_latest(self.gw.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
-
-
-class _HeadersWithin:
-    """The upstream pool as ``proxy`` sees it for one request: its wait for response
-    headers bounded by ``timeout`` (what ``Fleet.first_byte_timeout`` derived)."""
-
-    __slots__ = ("pool", "timeout")
-
-    def __init__(self, pool: UpstreamPool, timeout: float | None) -> None:
-        self.pool = pool
-        self.timeout = timeout
-
-    async def post(
-        self,
-        url: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        on_sent: Any = None,
-    ) -> Any:
-        return await self.pool.post(url, body, headers, on_sent, timeout=self.timeout)
