@@ -186,9 +186,7 @@ class Gateway:
         )
         deadline = time.monotonic() + self.config.startup_wait_s
         while not self.fleet.base_model() and time.monotonic() < deadline:
-            await self.fleet.check_health()
-            if not self.fleet.base_model():
-                await asyncio.sleep(min(0.5, self.config.health_interval_s))
+            await asyncio.sleep(0.1)  # the fleet's health loop probes and fetches the models
 
     async def _on_discovered(self, urls: list[str]) -> None:
         assert self.fleet is not None
