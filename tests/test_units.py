@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from router.blocks import ChainCache, block_hashes, cacheable_blocks
 from router.config import ConfigError, add_arguments, dump_yaml, load_config
 from router.index import MemoryIndex
-from router.request import RoutedRequest
 from router.schedule import Candidate, HashRing, build_policy
+from tests.schedule.common import req as _req
 
 # -- blocks ---------------------------------------------------------------------------------
 
@@ -135,22 +135,6 @@ def test_ring_bounded_load_walks_past_a_full_member():
 
 
 # -- policies ---------------------------------------------------------------------------------
-
-
-def _req(n_tokens: int = 0, first: int = 0, ids: list[int] | None = None) -> RoutedRequest:
-    """A routed request of ``n_tokens`` copies of ``first``, or of the given ``ids``."""
-    ids = [first] * n_tokens if ids is None else ids
-    return RoutedRequest(
-        request_id="r",
-        endpoint="chat",
-        model="m",
-        tenant="t",
-        body={},
-        stream=False,
-        token_ids=ids,
-        block_size=16,
-        block_hashes=block_hashes(ids, 16),
-    )
 
 
 def test_ttft_prefers_the_holder_until_its_queue_outweighs_the_prefill():
