@@ -26,6 +26,7 @@ from loadtest.sim.protocol import (
     offload,
     read_json,
 )
+from loadtest.sim.stream import open_sse
 from router.api import anthropic, responses
 from router.errors import APIError
 
@@ -301,14 +302,7 @@ class Apis:
         return await self._stream(request, events)
 
     async def _stream(self, request: web.Request, events: list[str]) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_sse(request)
         for ev in events:
             await resp.write(ev.encode())
         await resp.write_eof()

@@ -14,6 +14,22 @@ from loadtest.sim.engine import ABORTED, WAITING, Engine, Seq
 from loadtest.sim.protocol import dumps, make_usage
 
 
+async def open_sse(
+    request: web.Request, headers: dict[str, str] | None = None
+) -> web.StreamResponse:
+    """A prepared 200 ``text/event-stream`` response, as vLLM sends its streams."""
+    resp = web.StreamResponse(
+        status=200,
+        headers={
+            **(headers or {}),
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+        },
+    )
+    await resp.prepare(request)
+    return resp
+
+
 class Streamer:
     """Writes one replica's streams; counts the open ones to pace them (``tick``)."""
 
@@ -47,15 +63,7 @@ class Streamer:
         """Stream ``seqs`` (already submitted to ``engine``) as ``kind`` ("chat" or
         "completions") chunks; ``text`` maps token ids to their text; ``details`` / ``zero``
         shape ``usage`` as in :func:`loadtest.sim.protocol.make_usage`."""
-        resp = web.StreamResponse(
-            status=200,
-            headers={
-                **headers,
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-            },
-        )
-        await resp.prepare(request)
+        resp = await open_sse(request, headers)
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         head = (
