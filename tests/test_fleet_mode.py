@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import re
 import socket
 from collections.abc import AsyncIterator
@@ -227,7 +228,14 @@ async def test_killed_gateway_leaves_no_phantom_load(fleet, gateway, redis_serve
             await asyncio.gather(*inflight, return_exceptions=True)
 
 
-async def test_redis_killed_mid_load_loses_no_request_and_recovers(fleet, gateway, redis_server):
+async def test_redis_killed_mid_load_loses_no_request_and_recovers(
+    fleet, gateway, redis_server, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.INFO, logger="router.index.resilient")
+
+    def outages() -> list[str]:
+        return [m for r in caplog.records if "index unavailable" in (m := r.getMessage())]
+
     replicas = await fleet(3)
     urls = [r.url for r in replicas]
     gws = await start_fleet_gateways(gateway, urls, redis_server.url, 2)
@@ -271,6 +279,7 @@ async def test_redis_killed_mid_load_loses_no_request_and_recovers(fleet, gatewa
                 return all([await metric(s, gw, "prefix_router_redis_up") == 1 for gw in gws])
 
             await wait_for(both_up, what="prefix_router_redis_up back to 1")
+            outages_before_recovery = len(outages())
             await completed(20)
         finally:
             stop.set()
@@ -278,7 +287,13 @@ async def test_redis_killed_mid_load_loses_no_request_and_recovers(fleet, gatewa
         assert set(statuses) == {200}, statuses
         # Down once and up once, no flapping: connections pooled before the outage must not
         # be handed out again after it (each would fail a call and re-open the circuit).
-        assert [gw.gateway.index.transitions for gw in gws] == [2, 2]
+        # A starved CPU can make a call miss its deadline after recovery and re-open the
+        # circuit once more; that is a timeout, never a connection error.
+        for gw in gws:
+            assert gw.gateway.index.transitions % 2 == 0  # ends up, as it went down
+        assert outages_before_recovery >= 2  # each gateway saw the kill
+        later = outages()[outages_before_recovery:]
+        assert [m for m in later if not re.search(r"timed out|slower than|Timeout", m)] == []
 
         # Shared state works again: a prefix learned via gateway 1 is predicted by gateway 2.
         await wait_for(lambda: background_done(g1, g2), what="pending Redis writes")
