@@ -18,7 +18,7 @@ from tests.helpers import chat_body, post
 WORDS = (
     "the quick brown fox, jumps over 12 lazy dogs. invoice ledger (audit) balance!\n"
     "élan naïve e\u0301 中文，文字。 日本語、テキスト？ tab\there  double  space 'll 're x\r\ny"
-).split(" ")
+).split(" ")  # noqa: SIM905  (words with the separators inside them)
 
 
 def text(rng: random.Random, chars: int) -> str:
