@@ -15,10 +15,12 @@ from router.errors import APIError
 from router.prompt import segments
 from tests.helpers import chat_body, post
 
-WORDS = (
+# Words with separators inside them: newlines, tabs, CJK punctuation, a combining accent.
+SOURCE = (
     "the quick brown fox, jumps over 12 lazy dogs. invoice ledger (audit) balance!\n"
     "élan naïve e\u0301 中文，文字。 日本語、テキスト？ tab\there  double  space 'll 're x\r\ny"
-).split(" ")  # noqa: SIM905  (words with the separators inside them)
+)
+WORDS = SOURCE.split(" ")
 
 
 def text(rng: random.Random, chars: int) -> str:
