@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from tests.helpers import chat_body, post, wait_for
+from tests.helpers import chat_body, post, replica_stats, wait_for
 
 EOF_WAIT_S = 30  # a guard for a test that fails, not a synchronisation
 
@@ -210,3 +210,31 @@ async def test_a_request_slower_than_the_head_deadline_but_complete_is_served(fl
             s, gw.url + "/v1/chat/completions", chat_body("slow", max_tokens=12)
         )
         assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+async def test_a_client_gone_before_a_non_streamed_answer_cancels_it_upstream(fleet, gateway):
+    """The streamed case is tests/test_gateway.py; here the client closes its socket while
+    the replica is still generating a non-streamed answer."""
+    replicas = await fleet(1, decode_tokens_per_s=20)
+    gw = await gateway([replicas[0].url])
+    body = json.dumps(chat_body("a long answer", max_tokens=400)).encode()
+    reader, writer = await connect(gw.url)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    async with aiohttp.ClientSession() as s:
+
+        async def running(n: int) -> Any:
+            async def check() -> bool:
+                return (await replica_stats(s, replicas[0].url)).running == n
+
+            return check
+
+        await wait_for(await running(1), what="the request to reach the replica")
+        writer.close()  # 400 tokens at 20/s: about 20 s of generation left
+        await wait_for(await running(0), what="the upstream request to be cancelled")
+        assert (
+            gw.gateway.metrics.registry.get_sample_value("prefix_router_client_disconnects_total")
+            == 1
+        )
