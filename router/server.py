@@ -193,7 +193,10 @@ class GatewayProtocol(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        log.debug("refused a malformed request from %s: %r", request.remote, exc)
+        if status >= 500:  # a handler's error that escaped the app's middleware
+            log.error("request from %s failed: %s: %.200s", request.remote, type(exc).__name__, exc)
+        else:
+            log.debug("refused a malformed request from %s: %r", request.remote, exc)
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent on this connection")
         resp = parser_error(exc, status, self.max_field_size, self.max_headers).response()
