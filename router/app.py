@@ -10,6 +10,7 @@ module names none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import traceback
@@ -27,13 +28,23 @@ from router.gateway import Gateway
 from router.handlers import REQUEST_ID, Handlers
 from router.index import PrefixIndex
 from router.prompt import Renderer
+from router.server import ConnectionLimits, GatewayRunner
 
 log = logging.getLogger("prefix_router")
 
 LINGER_S = 1.0  # how long an unread body is drained before its connection closes
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
 
-__all__ = ["GATEWAY_KEY", "REQUEST_ID", "Gateway", "RunningGateway", "build_app", "start_gateway"]
+__all__ = [
+    "GATEWAY_KEY",
+    "REQUEST_ID",
+    "Gateway",
+    "RunningGateway",
+    "build_app",
+    "make_runner",
+    "run_app",
+    "start_gateway",
+]
 
 
 # -- middleware ---------------------------------------------------------------------------
@@ -156,6 +167,31 @@ class RunningGateway:
         await self.runner.cleanup()
 
 
+def make_runner(app: web.Application, config: Config, **kwargs: Any) -> GatewayRunner:
+    """The app's runner with the connection limits (router/server.py) of ``config``."""
+    limits = ConnectionLimits(
+        max_connections=config.max_connections,
+        header_timeout_s=config.header_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+    )
+    gateway = app.get(GATEWAY_KEY)
+
+    def refused(reason: str) -> None:
+        if gateway is not None:
+            gateway.metrics.rejected.labels(reason).inc()
+
+    return GatewayRunner(
+        app,
+        limits,
+        refused,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.shutdown_grace_s,
+        auto_decompress=False,  # router/body.py decodes request bodies, bounded
+        **kwargs,
+    )
+
+
 async def start_gateway(
     config: Config,
     renderer: Renderer | None = None,
@@ -165,16 +201,42 @@ async def start_gateway(
 ) -> RunningGateway:
     """Start a gateway in this event loop (tests, demo, load tests). ``port=0`` picks one."""
     app = build_app(config, renderer, index, extensions)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=config.shutdown_grace_s,
-        auto_decompress=False,  # router/body.py decodes request bodies, bounded
-    )
+    runner = make_runner(app, config)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port if port is None else port)
     await site.start()
     sock = site._server.sockets[0]  # type: ignore[union-attr]
     host, bound = sock.getsockname()[:2]
     return RunningGateway(f"http://{host}:{bound}", runner, app[GATEWAY_KEY])
+
+
+def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoop) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM (``prefix-router serve``): aiohttp's ``run_app``
+    with this module's runner, so the connection limits hold there too."""
+
+    async def serve() -> None:
+        runner = make_runner(app, config, handle_signals=True)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1)
+            await site.start()
+            await asyncio.Event().wait()  # until a signal raises GracefulExit
+        finally:
+            await runner.cleanup()
+
+    main = loop.create_task(serve())
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        if not main.done():
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(main)
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop), return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -112,20 +112,9 @@ def _log_lifecycle(app: web.Application, config: Config) -> None:
 
 
 def _run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoop) -> None:
-    from aiohttp import web
+    from router.app import run_app
 
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        loop=loop,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-        auto_decompress=False,  # router/body.py decodes request bodies, bounded
-        shutdown_timeout=config.shutdown_grace_s,
-        reuse_port=config.workers > 1,
-    )
+    run_app(app, config, loop)  # aiohttp's run_app, with the gateway's connection limits
 
 
 def _run_workers(config: Config) -> int:

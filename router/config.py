@@ -146,6 +146,27 @@ class Config:
         "Content-Length counts as max_body_bytes); beyond it new requests get a 503",
     )
     max_prompt_chars: int = _opt(4_000_000, "largest rendered prompt, in characters")
+    max_tokenize_cpu_s: float = _opt(
+        2.0,
+        "CPU seconds one request's new (uncached) prompt text may take to tokenize; beyond "
+        "it the request is refused with a 413 (raise it for very long contexts)",
+    )
+    # -- client connections (router/server.py)
+    max_connections: int = _opt(
+        10_000,
+        "open client connections at most; a connection beyond it is answered 503 and closed "
+        "(/health and /ready are still answered)",
+    )
+    header_timeout_s: float = _opt(
+        10.0,
+        "seconds a connection may take to send a complete request head (slowloris guard); "
+        "past it, a 408 and the connection closed",
+    )
+    keepalive_timeout_s: float = _opt(
+        75.0,
+        "an idle keep-alive client connection is closed after this many seconds (behind a "
+        "load balancer, set it above the balancer's idle timeout)",
+    )
     # -- request-body limits (router/limits.py: checked before any recursive work)
     max_json_depth: int = _opt(64, "deepest JSON nesting accepted inside any field of a body")
     max_json_nodes: int = _opt(1_000_000, "most JSON values (objects, arrays, scalars) in a body")
@@ -270,6 +291,7 @@ class Config:
             "max_content_parts",
             "max_tools",
             "max_template_kwargs",
+            "max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -293,6 +315,9 @@ class Config:
             "first_byte_timeout_s",
             "first_byte_timeout_floor_s",
             "idle_timeout_s",
+            "header_timeout_s",
+            "keepalive_timeout_s",
+            "max_tokenize_cpu_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:

@@ -37,7 +37,7 @@ from router.loading import load_renderer
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
 from router.parse import parse_body
-from router.prompt import NeedsThread, Renderer
+from router.prompt import NeedsThread, Renderer, segments
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, from_config
 from router.shared_state import FleetSync
@@ -345,12 +345,23 @@ class Gateway:
 
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
         renderer = self._renderer()
-        # The segment cache is scoped like the replicas' prefix caches: by the salt sent.
-        with renderer.cache_scope(admitted.salt.salt):
+        # The segment cache is scoped like the replicas' prefix caches: by the salt sent;
+        # new text is encoded within a CPU budget, and stops once it cannot fit the context.
+        budget = segments.budget(self.config.max_tokenize_cpu_s, self._max_prompt_tokens(admitted))
+        with renderer.cache_scope(admitted.salt.salt), budget:
             if admitted.chat is not None:
                 return renderer.chat_ids(admitted.chat)
             # Honours add_special_tokens and truncation; a batch routes on its first prompt.
             return renderer.completion_request_ids(admitted.body)[0]
+
+    def _max_prompt_tokens(self, admitted: _Admitted) -> int | None:
+        """The model's context (from the replicas' model cards): a longer prompt is refused
+        anyway. None when unknown, or when the request asks vLLM to truncate it."""
+        chat = admitted.chat or {}
+        if self.fleet is None or "truncate_prompt_tokens" in {**admitted.body, **chat}:
+            return None
+        n = (self.fleet.models().get(admitted.model) or {}).get("max_model_len")
+        return n if type(n) is int and n > 0 else None
 
     def _admit_and_tokenize(
         self, raw: bytes, endpoint: Endpoint, tenant: str

@@ -23,6 +23,7 @@ from router.errors import APIError
 from router.fleet import Replica
 from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable, proxy, request_headers
 from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
+from router.limits import check_body
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
@@ -247,7 +248,9 @@ class Handlers:
         self.gw.tenancy.identify(request.headers)
         assert self.gw.fleet is not None
         raw = await self.read_body(request)
-        parse_json_object(raw)
+        # The same bounded shapes as generation bodies: the replica renders and tokenizes
+        # these messages too (deep nesting, lone surrogates, 100k messages are a 400 here).
+        check_body(parse_json_object(raw), self.gw.limits)
         headers = request_headers(
             request.headers,
             request[REQUEST_ID],

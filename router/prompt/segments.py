@@ -17,13 +17,16 @@ import json
 import logging
 import re
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
+from router.errors import APIError
 from router.prompt.fields import TokenIds, error
 
 log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it used to be
@@ -56,6 +59,77 @@ def cache_scope_seed(cache_salt: str | None) -> int:
     if not cache_salt:
         return 0
     return xxhash.xxh3_64_intdigest(cache_salt.encode("utf-8", "surrogatepass")) or 1
+
+
+# -- the per-request tokenize budget ---------------------------------------------------------
+# New text is BPE-encoded in pieces of about CHUNK_CHARS, the budget checked between them, so
+# one request cannot hold a tokenizer thread for seconds. Pieces are cut where the whole-text
+# tokenization provably has a token boundary too (``_SAFE_CUT``), so the ids are exact.
+CHUNK_CHARS = 32_768
+# Qwen2/Qwen3's pre-tokenizer (Split on this regex, Isolated; then ByteLevel without its own
+# regex; NFC or no normalizer). For it, just before a space that follows a non-space
+# character is always a pre-token boundary: no alternative of the regex runs from a
+# non-space character into a following space (words are letters, numbers single
+# characters, symbol runs stop at whitespace), the regex looks only ahead, and a space
+# composes with nothing under NFC. Likewise before CJK punctuation after a CJK ideograph.
+_CHUNKABLE_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SAFE_CUT = re.compile(r"\S(?= )|[\u4e00-\u9fff](?=[\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f])")
+
+
+@dataclass(slots=True)
+class _Budget:
+    cpu_s: float  # thread CPU seconds for new text, from the block's start
+    deadline: float  # time.thread_time() at which it is spent
+    max_tokens: int | None  # a prompt longer than this is refused (the model's context)
+    tokens: int = 0  # prompt tokens found so far in this block
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
+    "prefix_router_tokenize_budget", default=None
+)
+
+
+def over_budget(cpu_s: float, chars: int) -> APIError:
+    return APIError(
+        413,
+        f"the prompt's new text ({chars} characters) would take more than {cpu_s:g} s of "
+        "CPU to tokenize; send a shorter prompt (or, for the gateway's operator: raise "
+        "max_tokenize_cpu_s)",
+        param="messages",
+        code="prompt_too_expensive",
+    )
+
+
+def over_context(max_tokens: int, at_least: int) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_tokens} tokens for the prompt. However, "
+        f"your prompt has more than {at_least} tokens. Please reduce the length of the "
+        "messages.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+@contextlib.contextmanager
+def budget(cpu_s: float | None, max_tokens: int | None = None) -> Iterator[None]:
+    """Within this block (one request's render + tokenize, in one thread), BPE-encoding new
+    text stops with a 413 once the thread has used ``cpu_s`` of CPU since the block began,
+    and with a 400 once the prompt has more than ``max_tokens`` tokens (it could not fit;
+    None: no token bound). Cached segments cost nothing against it."""
+    state = (
+        _Budget(cpu_s, time.thread_time() + cpu_s, max_tokens)
+        if cpu_s is not None and cpu_s > 0
+        else None
+    )
+    token = _BUDGET.set(state)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
 
 
 @contextlib.contextmanager
@@ -99,6 +173,7 @@ class SegmentTokenizer:
         self._added: dict[str, int] = {}
         self._split_re: re.Pattern[str] | None = None
         self._special_adds_nothing = False
+        self._chunkable = False  # new text can be cut at _SAFE_CUT (see _chunk_safe)
         self.requested = segment_cache
         reason = self._split_safe() if segment_cache else "disabled"
         self.enabled = reason is None
@@ -174,7 +249,38 @@ class SegmentTokenizer:
             backend.encode(sample, add_special_tokens=False).ids
         ):
             return "segment tokenization differs from whole-text tokenization"
+        self._chunkable = self._chunk_safe(spec)
         return None
+
+    def _chunk_safe(self, spec: dict[str, Any]) -> bool:
+        """Whether ``_SAFE_CUT`` is a token boundary for this tokenizer: its normalizer and
+        pre-tokenizer are those the cut was proven for, and a self-check agrees."""
+        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+        if normalizer not in (None, {"type": "NFC"}):
+            return False
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+        if not steps or len(steps) != 2:
+            return False
+        split, byte_level = steps
+        if not (
+            split.get("type") == "Split"
+            and split.get("pattern") == {"Regex": _CHUNKABLE_SPLIT}
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert")
+            and byte_level.get("type") == "ByteLevel"
+            and not byte_level.get("use_regex")
+            and not byte_level.get("add_prefix_space")
+        ):
+            return False
+        assert self._backend is not None
+        sample = "Ab1 2 é\u0301 x\n y  z!! ?? 'll 中文，文。 \t end " * 3
+        whole = self._backend.encode(sample, add_special_tokens=False).ids
+        cut, pos = [], 0
+        for m in _SAFE_CUT.finditer(sample):
+            cut.extend(self._backend.encode(sample[pos : m.end()], add_special_tokens=False).ids)
+            pos = m.end()
+        cut.extend(self._backend.encode(sample[pos:], add_special_tokens=False).ids)
+        return bool(cut == whole)
 
     def _encode_split(self, text: str, *, use_cache: bool) -> array[int]:
         assert self._split_re is not None and self._backend is not None
@@ -215,17 +321,23 @@ class SegmentTokenizer:
                         cache.move_to_end(key)
                 self.hits += len(found)
         if missing:
+            state = _BUDGET.get()
+            if state is not None:  # this prompt's tokens so far: its cached segments
+                state.tokens = sum(len(found[k]) for k in keys if k in found)
             budget = _INLINE_BUDGET.get()
             if budget is not None and sum(map(len, missing.values())) > budget:
                 raise NeedsThread
             segs = list(missing.values())
-            encs = (
-                self._backend.encode_batch_fast(segs, add_special_tokens=False)
-                if len(segs) > 1
-                else [self._backend.encode(segs[0], add_special_tokens=False)]
-            )
-            for key, enc in zip(missing, encs, strict=True):
-                ids = enc.ids
+            if state is not None and sum(map(len, segs)) > CHUNK_CHARS:
+                all_ids = [self._encode_budgeted(seg, state) for seg in segs]
+            else:
+                encs = (
+                    self._backend.encode_batch_fast(segs, add_special_tokens=False)
+                    if len(segs) > 1
+                    else [self._backend.encode(segs[0], add_special_tokens=False)]
+                )
+                all_ids = [enc.ids for enc in encs]
+            for key, ids in zip(missing, all_ids, strict=True):
                 found[key] = ids
                 if use_cache:
                     self._put(key, ids)
@@ -240,6 +352,56 @@ class SegmentTokenizer:
                 out.extend(found[keys[k]])
                 k += 1
         return out  # an array all the way to block hashing: no Python int per token
+
+    def _encode_budgeted(self, text: str, state: _Budget) -> list[int]:
+        """``text``'s ids, encoded piece by piece with ``state`` checked between pieces.
+        Pieces are cut at ``_SAFE_CUT`` (exact) when the tokenizer is Qwen2's kind; a longer
+        stretch with no such cut is first encoded in arbitrary pieces only to check the
+        budget (those ids are thrown away), then whole."""
+        assert self._backend is not None
+        encode = self._backend.encode
+        ids: list[int] = []
+        for piece, exact in self._pieces(text):
+            if exact:
+                ids.extend(encode(piece, add_special_tokens=False).ids)
+                self._check(state, len(ids), len(text))
+                continue
+            probed = 0
+            for at in range(0, len(piece), CHUNK_CHARS):
+                probed += len(encode(piece[at : at + CHUNK_CHARS], add_special_tokens=False).ids)
+                # A cut can split what whole-text BPE merges: allow a few tokens per cut.
+                self._check(state, len(ids) + probed - 4 * (at // CHUNK_CHARS), len(text))
+            ids.extend(encode(piece, add_special_tokens=False).ids)
+            self._check(state, len(ids), len(text))
+        state.tokens += len(ids)
+        return ids
+
+    def _pieces(self, text: str) -> Iterator[tuple[str, bool]]:
+        """``text`` as consecutive (piece, cut exactly) of about CHUNK_CHARS each."""
+        if not self._chunkable:
+            yield text, False
+            return
+        pos, n = 0, len(text)
+        while n - pos > CHUNK_CHARS:
+            target = pos + CHUNK_CHARS
+            m = _SAFE_CUT.search(text, target, min(n, target + 4 * CHUNK_CHARS))
+            if m is None:  # a long stretch with no boundary: up to the next one, or the end
+                m = _SAFE_CUT.search(text, target)
+                if m is None:
+                    break
+                yield text[pos : m.end()], False
+            else:
+                yield text[pos : m.end()], True
+            pos = m.end()
+        if pos < n:
+            yield text[pos:], n - pos <= CHUNK_CHARS
+
+    @staticmethod
+    def _check(state: _Budget, tokens: int, chars: int) -> None:
+        if state.max_tokens is not None and state.tokens + tokens > state.max_tokens:
+            raise over_context(state.max_tokens, state.tokens + tokens)
+        if time.thread_time() > state.deadline:
+            raise over_budget(state.cpu_s, chars)
 
     def _put(self, key: int, ids: list[int]) -> None:
         n = len(ids)
