@@ -448,6 +448,7 @@ class Fleet:
             k: (str(v["parent"]) if v.get("parent") else None) for k, v in cards.items()
         }
         replica.models_known = True
+        await self._emit(replica, "models")
 
     async def _emit(self, replica: Replica, event: str) -> None:
         if self.on_event is not None:

@@ -108,6 +108,7 @@ class Gateway:
         self.discovery: DnsDiscovery | None = None  # DNS discovery of replicas, if configured
         self.kv_events: KVEventSubscriber | None = None  # precise mode (router/kv_events/)
         self.receiving_bytes = 0  # request-body bytes being received now (router/handlers.py)
+        self._model_reported = asyncio.Event()  # a replica reported its models (start-up wait)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -184,9 +185,9 @@ class Gateway:
             "waiting up to %gs for a replica to report its model (or pass --tokenizer)",
             self.config.startup_wait_s,
         )
-        deadline = time.monotonic() + self.config.startup_wait_s
-        while not self.fleet.base_model() and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)  # the fleet's health loop probes and fetches the models
+        # The fleet's health loop probes the replicas and fetches their models.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._model_reported.wait(), self.config.startup_wait_s)
 
     async def _on_discovered(self, urls: list[str]) -> None:
         assert self.fleet is not None
@@ -233,6 +234,8 @@ class Gateway:
             await self.index.set_capacity(replica.url, blocks_)
 
     async def _on_fleet_event(self, replica: Replica, event: str) -> None:
+        if event == "models" and self.fleet is not None and self.fleet.base_model():
+            self._model_reported.set()
         if event in ("removed", "restarted"):
             await self.index.drop_replica(replica.url)
         if event == "capacity":
