@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from router.blocks import continue_chain, root_hash
 from router.index import MemoryIndex
+from router.index.redis import make_client
 from router.kv_events import Endpoints, KVEventSubscriber
 from router.kv_wire import BlockStored, Skipped, WireError, decode_batch, parse_frames
 from tests.helpers import post, wait_for
@@ -517,10 +518,28 @@ async def fleet_settled(gws: list[Any], replicas: list[Any]) -> None:
             await asyncio.gather(*list(g.gateway._background), return_exceptions=True)
 
 
-async def shared(gw: Any, url: str) -> set[int]:
+async def shared_settled(client: Any, gws: list[Any], replicas: list[Any]) -> None:
+    """Each stream has one owner, up on Redis, whose last applied batch is the stamp in Redis
+    (a stamp is written only by an owner that missed no shared write since its takeover)."""
+    leases = gws[0].gateway.kv_events.leases
+
+    async def ok() -> bool:
+        for r in replicas:
+            found = owners(gws, r.url)
+            if len(found) != 1 or not found[0].gateway.index.inner.redis_up:
+                return False
+            stamp = await client.get(leases.stamp_key(r.url))
+            if stamp is None or stamp.decode() != found[0].gateway.kv_events.streams[r.url].written:
+                return False
+        return True
+
+    await wait_for(ok, timeout=15.0, what="every stream's writes stamped in Redis")
+
+
+async def shared(client: Any, gw: Any, url: str) -> set[int]:
     """The replica's blocks in Redis, as every gateway reads them."""
     primary = gw.gateway.index.inner.primary
-    raw = await primary.client.zrange(primary.blocks_key(url), 0, -1)
+    raw = await client.zrange(primary.blocks_key(url), 0, -1)
     return {int.from_bytes(m, "little") for m in raw}
 
 
@@ -529,7 +548,14 @@ async def test_fleet_mode_one_gateway_writes_each_stream_and_hands_over(
 ):
     replicas, gws = await fleet_gateways(fleet, gateway, redis_server, num_gpu_blocks=150)
     await one_owner_each(gws, replicas)
-    client = gws[0].gateway.fleet_mode.redis
+    client = make_client(redis_server.url, socket_timeout=2.0, connect_timeout=1.0)
+    try:
+        await handover(client, gws, replicas)
+    finally:
+        await client.aclose()
+
+
+async def handover(client: Any, gws: list[Any], replicas: list[Any]) -> None:
     leases = gws[0].gateway.kv_events.leases
     before = {
         (id(g), r.url): g.gateway.kv_events.streams[r.url].shared_batches
@@ -544,6 +570,7 @@ async def test_fleet_mode_one_gateway_writes_each_stream_and_hands_over(
 
     await send_round_robin(mixed(40), gws)
     await fleet_settled(gws, replicas)
+    await shared_settled(client, gws, replicas)
     assert all(r.engine.pool.evictions > 0 for r in replicas)
     for r in replicas:
         (owner,) = owners(gws, r.url)
@@ -555,7 +582,7 @@ async def test_fleet_mode_one_gateway_writes_each_stream_and_hands_over(
             g.gateway.kv_events.streams[r.url].shared_batches - before[id(g), r.url] for g in gws
         ]
         assert sorted(w > 0 for w in written) == [False, False, True], written
-        assert await shared(gws[0], r.url) == truth(r)
+        assert await shared(client, gws[0], r.url) == truth(r)
         for g in gws:
             assert g.gateway.index.inner.local.blocks(r.url) >= truth(r)
 
@@ -581,13 +608,13 @@ async def test_fleet_mode_one_gateway_writes_each_stream_and_hands_over(
     await wait_for(disowned, what="the zombie's lease seen")
     await send_round_robin(mixed(16, offset=200), alive)
     await fleet_settled(alive, replicas)
-    assert await shared(alive[0], r0.url) != truth(r0)  # nobody wrote the gap
+    assert await shared(client, alive[0], r0.url) != truth(r0)  # nobody wrote the gap
     caught_up = sum(g.gateway.kv_events.streams[r0.url].caught_up for g in alive)
     await client.delete(leases.lease_key(r0.url))
-    await one_owner_each(alive, replicas)
+    await shared_settled(client, alive, replicas)
     assert sum(g.gateway.kv_events.streams[r0.url].caught_up for g in alive) > caught_up
     for r in replicas:
-        assert await shared(alive[0], r.url) == truth(r)
+        assert await shared(client, alive[0], r.url) == truth(r)
 
     # A stamp the new owner cannot find in its log (another publisher process, a lost key):
     # it rewrites the replica's shared entry from its exact holder set instead.
@@ -596,7 +623,7 @@ async def test_fleet_mode_one_gateway_writes_each_stream_and_hands_over(
     await owner.gateway.kv_events.stop(release=False)
     await client.set(leases.stamp_key(r0.url), "999999:0")
     rest = [g for g in alive if g is not owner]
-    await one_owner_each(rest, replicas)
+    await shared_settled(client, rest, replicas)
     (last,) = owners(rest, r0.url)
     assert last.gateway.kv_events.streams[r0.url].resyncs == resyncs[id(last)] + 1
-    assert await shared(last, r0.url) == truth(r0)
+    assert await shared(client, last, r0.url) == truth(r0)

@@ -470,8 +470,9 @@ class KVEventSubscriber:
             for stream in self.streams.values():
                 stream.owned = False
         streams = dict(self.streams)
-        wanted = {
-            url: (leases.mode(url, s.owned), s.written if s.owned else "")
+        up = getattr(self.inner, "redis_up", True)
+        wanted = {  # no claims while shared writes would be skipped: a catch-up must land
+            url: (leases.mode(url, s.owned) if up else "peek", s.written if s.owned else "")
             for url, s in streams.items()
         }
         views = await leases.tick(wanted)
@@ -494,6 +495,7 @@ class KVEventSubscriber:
         """Bring the shared index up to this gateway's view of the stream: replay the logged
         writes of the batches after ``stamp`` (the last batch the previous owner wrote), or,
         when the log does not reach back to it, rewrite the replica's shared entry."""
+        transitions = getattr(self.inner, "transitions", 0)
         async with stream.lock:
             log_ = list(stream.oplog)
             at = next((i for i in range(len(log_) - 1, -1, -1) if log_[i][0] == stamp), None)
@@ -508,6 +510,8 @@ class KVEventSubscriber:
                 await self.inner.set_capacity(
                     stream.url, self.capacity_for(stream, stream.capacity)
                 )
+            if getattr(self.inner, "transitions", 0) != transitions:
+                return  # Redis failed meanwhile: writes were lost; the next tick tries again
             stream.owned = True
             stream.takeovers += 1
         log.info(
