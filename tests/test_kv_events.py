@@ -627,3 +627,41 @@ async def handover(client: Any, gws: list[Any], replicas: list[Any]) -> None:
     (last,) = owners(rest, r0.url)
     assert last.gateway.kv_events.streams[r0.url].resyncs == resyncs[id(last)] + 1
     assert await shared(client, last, r0.url) == truth(r0)
+
+
+async def test_fleet_mode_redis_restart_rebuilds_the_shared_index_from_the_events(
+    fleet, gateway, redis_server
+):
+    """Redis dies mid-traffic: requests go on (each gateway routes on its exact local view),
+    nobody claims a stream while Redis is away; once it is back (empty), each stream's new
+    owner finds no stamp and rewrites the replica's shared entry from its holder set."""
+    replicas, gws = await fleet_gateways(fleet, gateway, redis_server, n_gw=2, num_gpu_blocks=150)
+    await one_owner_each(gws, replicas)
+    client = make_client(redis_server.url, socket_timeout=2.0, connect_timeout=1.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await send(session, gws[0].url, mixed(12))
+            redis_server.kill()
+
+            async def all_down() -> bool:
+                return all(not g.gateway.index.inner.redis_up for g in gws) and not any(
+                    owners(gws, r.url) for r in replicas
+                )
+
+            await send(session, gws[1].url, mixed(12, offset=50))  # trips the circuits
+            await wait_for(all_down, what="every gateway on its local view, no owner")
+            await send(session, gws[0].url, mixed(12, offset=100))
+            await fleet_settled(gws, replicas)
+            for g in gws:  # the local views followed the events all along
+                for r in replicas:
+                    assert g.gateway.index.inner.local.blocks(r.url) >= truth(r)
+            resyncs = sum(g.gateway.kv_events.streams[r.url].resyncs for g in gws for r in replicas)
+            redis_server.start()  # same port, no data
+            await shared_settled(client, gws, replicas)
+        assert sum(
+            g.gateway.kv_events.streams[r.url].resyncs for g in gws for r in replicas
+        ) >= resyncs + len(replicas)
+        for r in replicas:
+            assert await shared(client, gws[0], r.url) == truth(r)
+    finally:
+        await client.aclose()
