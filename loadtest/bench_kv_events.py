@@ -1,25 +1,39 @@
-"""Approximate vs precise (KV events) routing under cache pressure, with a replica restart.
+"""Approximate vs precise (KV events) routing under cache pressure, several gateways sharing
+one Redis (fleet mode), replicas restarted mid-run.
 
-    python -m loadtest.bench_kv_events [--replicas 4] [--requests 600] [--blocks 600]
+    python -m loadtest.bench_kv_events [--gateways 3] [--replicas 4] [--blocks 400]
+                                       [--tenants 40] [--requests 480] [--restarts 2]
 
-In one process: ``--replicas`` simulated replicas with ``--blocks`` KV blocks each (block
-size 16) and one gateway; the workload is ``--tenants`` tenants with a ~1k-token shared
-context each, picked at random, 8 requests in flight, so the working set is larger than the
-fleet's KV memory. Halfway through, replica 0 restarts (a new process on the same ports:
-empty cache, its event stream from seq 0). The same seeded workload runs twice, approximate
-(placements and reported cached tokens) and precise (``kv_events`` on, the simulator
-publishing vLLM's events).
+In one process: a throwaway redis-server, ``--replicas`` simulated replicas with ``--blocks``
+KV blocks each (block size 16, prefill at ``--prefill-tps`` tokens/s, so TTFT follows the
+uncached tokens) and ``--gateways`` gateways in fleet mode; every request goes to a random
+gateway (the hard case: consecutive requests of a tenant rarely reach the same gateway). The
+workload is ``--tenants`` tenants with a ~700-token shared context each, picked at random,
+``--concurrency`` requests in flight, streamed: the working set (tenants x context blocks) is
+larger than the fleet's KV memory. ``--restarts`` times during the run, a replica restarts (a
+new process on the same ports: empty cache, its event stream from seq 0). The same seeded
+workload runs in three modes: approximate with the old full-prompt records (``refresh_blocks``
+off: every record rewrites every block, as before), approximate with bounded records (the
+fleet-mode default), and precise (``kv_events`` on; one gateway per replica stream writes).
 
-Printed per mode: hit = reported cached / prompt tokens; mispredicted = (predicted -
-reported) / prompt tokens, predicted from the gateway's ``x-prefix-router-cached-blocks``;
-TTFT p50/p99 client-side (non-streamed: time to the whole answer; on a shared CPU the
-timings are indicative, the token ratios are not).
+Printed per mode: hit = reported cached / prompt tokens; ideal = what one unlimited cache
+would have hit on the same arrival order; mispredicted = (predicted - reported) / prompt
+tokens, predicted from ``x-prefix-router-cached-blocks`` (negative: the gateway expected less
+than the replica had); TTFT p50/p99 client-side to the first streamed chunk; Redis blocks
+written per request (members the record scripts wrote, all gateways) and Redis commands per
+request (INFO commandstats, everything: lookups, writes, sync ticks, leases); for precise, the
+event batches written to Redis against those applied, over all gateways (without ownership
+every gateway would write each one: ratio = the number of gateways).
+
+On 2 shared cores keep it small (the defaults take a few minutes for the three modes); on a
+bigger box raise ``--requests``, ``--tenants`` and ``--blocks`` together.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import time
 from typing import Any
@@ -31,107 +45,227 @@ from router.app import start_gateway
 from router.bundled import tokenizer_dir
 from router.config import load_config
 from router.prompt import Renderer
+from tests.redis_server import RedisServer
 
+MODEL = "Qwen/Qwen3-0.6B"
 EVENTS = {
     "kv_events_endpoint": "tcp://127.0.0.1:*",
     "kv_events_replay_endpoint": "tcp://127.0.0.1:*",
 }
+MODES = ("approx-full", "approximate", "precise")
 
 
-async def run(precise: bool, args: argparse.Namespace, renderer: Renderer) -> dict[str, float]:
-    reference = Renderer(renderer.tokenizer, segment_cache=False)
-    sims = []
-    for _ in range(args.replicas):
-        cfg = SimConfig(
-            num_gpu_blocks=args.blocks,
-            prefill_tokens_per_s=50_000,
-            **(EVENTS if precise else {}),
-        )
-        sim = SimReplica(cfg, renderer=reference)
-        await sim.start()
-        sims.append(sim)
-    extra: dict[str, Any] = {}
-    if precise:
-        extra = {
-            "kv_events": True,
-            "kv_events_endpoints": {
-                s.url: {
-                    "endpoint": s.kv_events.endpoint,
-                    "replay_endpoint": s.kv_events.replay_endpoint,
-                }
-                for s in sims
-            },
-        }
-    config = load_config(
-        env={},
-        replicas=[s.url for s in sims],
-        health_interval_s=0.5,
-        metrics_interval_s=0.5,
-        **extra,
-    )
-    gw = await start_gateway(config, renderer, port=0)
+def bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
-    contexts = [f"Tenant {t} shared context. " * 120 for t in range(args.tenants)]
-    predicted = reported = prompt = 0
-    ttfts: list[float] = []
+    contexts = [f"Tenant {t} shared context. " * args.context_repeats for t in range(args.tenants)]
+    return [
+        {
+            "model": MODEL,
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [
+                {"role": "system", "content": rng.choice(contexts)},
+                {"role": "user", "content": f"question {i}"},
+            ],
+        }
+        for i in range(args.requests)
+    ]
+
+
+async def redis_calls(client: Any) -> int:
+    stats = await client.info("commandstats")
+    return sum(int(v.get("calls", 0)) for k, v in stats.items() if k != "cmdstat_info")
+
+
+async def run(mode: str, args: argparse.Namespace, renderer: Renderer) -> dict[str, float]:
+    precise = mode == "precise"
+    reference = Renderer(renderer.tokenizer, segment_cache=False)
+    redis = RedisServer().start()
+    sims: list[SimReplica] = []
+    gws: list[Any] = []
     try:
-        async with aiohttp.ClientSession() as session:
-
-            async def one(i: int) -> None:
-                nonlocal predicted, reported, prompt
-                body = {
-                    "model": "Qwen/Qwen3-0.6B",
-                    "max_tokens": 8,
-                    "messages": [
-                        {"role": "system", "content": rng.choice(contexts)},
-                        {"role": "user", "content": f"question {i}"},
-                    ],
-                }
-                t0 = time.perf_counter()
-                async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
-                    answer = await resp.json()
-                ttfts.append(time.perf_counter() - t0)
-                predicted += int(resp.headers["x-prefix-router-cached-blocks"]) * 16
-                usage = answer["usage"]
-                reported += usage["prompt_tokens_details"]["cached_tokens"]
-                prompt += usage["prompt_tokens"]
-
-            for i in range(0, args.requests, 8):
-                if i == args.requests // 2 // 8 * 8:
-                    await sims[0].stop()
-                    await sims[0].start(port=sims[0].port)
-                await asyncio.gather(*(one(i + k) for k in range(8)))
+        for _ in range(args.replicas):
+            cfg = SimConfig(
+                num_gpu_blocks=args.blocks,
+                prefill_tokens_per_s=args.prefill_tps,
+                **(EVENTS if precise else {}),
+            )
+            sim = SimReplica(cfg, renderer=reference)
+            await sim.start()
+            sims.append(sim)
+        extra: dict[str, Any] = {}
+        if precise:
+            extra = {
+                "kv_events": True,
+                "kv_events_endpoints": {
+                    s.url: {
+                        "endpoint": s.kv_events.endpoint,
+                        "replay_endpoint": s.kv_events.replay_endpoint,
+                    }
+                    for s in sims
+                },
+            }
+        for _ in range(args.gateways):
+            config = load_config(
+                env={},
+                replicas=[s.url for s in sims],
+                health_interval_s=0.5,
+                metrics_interval_s=0.5,
+                redis_url=redis.url,
+                sync_interval_s=0.5,
+                redis_timeout_ms=args.redis_timeout_ms,
+                **extra,
+            )
+            gw = await start_gateway(config, renderer, port=0)
+            if mode == "approx-full":  # the old record: every block of the prompt, each time
+                gw.gateway.index.primary.refresh_blocks = None
+            gws.append(gw)
+        return await drive(args, sims, gws, precise)
     finally:
-        await gw.stop()
+        for gw in gws:
+            await gw.stop()
         for s in sims:
             await s.stop()
+        redis.close()
+
+
+def primary_of(gw: Any) -> Any:
+    index = gw.gateway.index
+    return getattr(index, "inner", index).primary
+
+
+async def drive(
+    args: argparse.Namespace, sims: list[SimReplica], gws: list[Any], precise: bool
+) -> dict[str, float]:
+    rng = random.Random(args.seed + 1)
+    work = bodies(args)
+    seen: set[int] = set()  # the ideal: one unlimited cache
+    predicted = reported = prompt = ideal = 0
+    ttfts: list[float] = []
+    client = primary_of(gws[0]).client
+    calls0 = await redis_calls(client)
+    written0 = sum(primary_of(g).written_blocks for g in gws)
+    restart_at = {
+        args.requests * (k + 1) // (args.restarts + 1) // args.concurrency * args.concurrency: k
+        for k in range(args.restarts)
+    }
+
+    async with aiohttp.ClientSession() as session:
+
+        async def one(body: dict[str, Any]) -> None:
+            nonlocal predicted, reported, prompt, ideal
+            raw = json.dumps(body).encode()
+            rr = await gws[0].gateway.prepare(raw, {}, "chat", "bench")
+            run_ = 0
+            while run_ < len(rr.block_hashes) and rr.block_hashes[run_] in seen:
+                run_ += 1
+            seen.update(rr.block_hashes)
+            gw = rng.choice(gws)
+            t0 = time.perf_counter()
+            first = None
+            usage: dict[str, Any] = {}
+            async with session.post(
+                gw.url + "/v1/chat/completions",
+                data=raw,
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                blocks = int(resp.headers["x-prefix-router-cached-blocks"])
+                async for line in resp.content:
+                    if first is None:
+                        first = time.perf_counter() - t0
+                    if line.startswith(b"data: {"):
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or usage
+            ttfts.append(first or 0.0)
+            tokens = usage["prompt_tokens"]
+            predicted += blocks * 16
+            reported += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            prompt += tokens
+            ideal += min(run_, (tokens - 1) // 16) * 16
+
+        for i in range(0, len(work), args.concurrency):
+            if i in restart_at:
+                sim = sims[restart_at[i] % len(sims)]
+                await sim.stop()
+                await sim.start(port=sim.port)
+            await asyncio.gather(*(one(b) for b in work[i : i + args.concurrency]))
+    for g in gws:
+        while g.gateway._background:
+            await asyncio.gather(*list(g.gateway._background), return_exceptions=True)
+    n = len(work)
+    calls = await redis_calls(client) - calls0 - 1
+    written = sum(primary_of(g).written_blocks for g in gws) - written0
+    applied = shared = 0
+    if precise:
+        for g in gws:
+            for s in g.gateway.kv_events.streams.values():
+                applied += s.batches
+                shared += s.shared_batches
     ttfts.sort()
     return {
         "hit": reported / prompt,
+        "ideal": ideal / prompt,
         "mispredicted": (predicted - reported) / prompt,
         "ttft_p50_s": ttfts[len(ttfts) // 2],
         "ttft_p99_s": ttfts[int(len(ttfts) * 0.99)],
+        "blocks_per_req": written / n,
+        "cmds_per_req": calls / n,
+        "event_batches_applied": applied,
+        "event_batches_shared": shared,
     }
 
 
 async def main_async(args: argparse.Namespace) -> None:
     renderer = await asyncio.to_thread(Renderer.from_pretrained, str(tokenizer_dir()))
-    print(f"{'mode':<12}{'hit':>8}{'mispred':>10}{'p50 s':>8}{'p99 s':>8}")
-    for precise in (False, True):
-        r = await run(precise, args, renderer)
+    print(
+        f"{args.gateways} gateways, {args.replicas} replicas x {args.blocks} blocks, "
+        f"{args.tenants} tenants, {args.requests} requests, {args.restarts} restarts",
+        flush=True,
+    )
+    print(
+        f"{'mode':<12}{'hit':>7}{'ideal':>7}{'/ideal':>7}{'mispred':>9}{'p50 s':>8}{'p99 s':>8}"
+        f"{'blk/req':>9}{'cmd/req':>9}  events written/applied"
+    )
+    for mode in args.modes:
+        r = await run(mode, args, renderer)
+        events = (
+            f"{r['event_batches_shared']:.0f}/{r['event_batches_applied']:.0f}"
+            if mode == "precise"
+            else "-"
+        )
         print(
-            f"{'precise' if precise else 'approximate':<12}{r['hit']:>8.3f}"
-            f"{r['mispredicted']:>+10.3f}{r['ttft_p50_s']:>8.3f}{r['ttft_p99_s']:>8.3f}",
+            f"{mode:<12}{r['hit']:>7.3f}{r['ideal']:>7.3f}{r['hit'] / r['ideal']:>7.3f}"
+            f"{r['mispredicted']:>+9.3f}{r['ttft_p50_s']:>8.3f}{r['ttft_p99_s']:>8.3f}"
+            f"{r['blocks_per_req']:>9.1f}{r['cmds_per_req']:>9.1f}  {events}",
             flush=True,
         )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_kv_events", description=__doc__)
+    p.add_argument("--gateways", type=int, default=3)
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=600, help="KV blocks per replica")
+    p.add_argument("--blocks", type=int, default=400, help="KV blocks per replica")
     p.add_argument("--tenants", type=int, default=40)
-    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--requests", type=int, default=480)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--context-repeats",
+        type=int,
+        default=120,
+        help="the shared context's sentence repeated this often (120: ~700 tokens, ~45 blocks)",
+    )
+    p.add_argument("--restarts", type=int, default=2, help="replica restarts during the run")
+    p.add_argument("--prefill-tps", type=float, default=20_000, help="simulated prefill rate")
+    p.add_argument(
+        "--redis-timeout-ms",
+        type=float,
+        default=50.0,
+        help="Redis lookup timeout (the default 10 ms trips often on a loaded 2-core box)",
+    )
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--seed", type=int, default=1)
     asyncio.run(main_async(p.parse_args(argv)))
 

@@ -7,7 +7,9 @@ Each replica is pre-filled with ``--prompts`` prompts of ``--blocks`` blocks tha
 common head (a system prompt), so that a match does real work on every candidate: the replica
 that served the prompt holds all of it, the others only the shared head. Latency is measured
 per call from the caller's coroutine (what the gateway sees), at each ``--concurrency``
-(concurrent callers on one event loop). The Redis server shares the machine.
+(concurrent callers on one event loop). The Redis server shares the machine. ``redis-bounded``
+is fleet mode's record (only new blocks plus at most ``--refresh-blocks`` refreshed; the
+others rewrite every block of the prompt).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ async def run(args: argparse.Namespace, url: str) -> None:
         "memory": MemoryIndex(),
         "redis-binary": RedisIndex(client, "bench/binary", encoding="binary"),
         "redis-decimal": RedisIndex(client, "bench/decimal", encoding="decimal"),
+        # fleet mode's records: only new blocks, at most --refresh-blocks old ones refreshed
+        "redis-bounded": RedisIndex(client, "bench/bounded", refresh_blocks=args.refresh_blocks),
         "resilient(redis-binary)": ResilientIndex(
             RedisIndex(client, "bench/resilient"), match_timeout_s=args.timeout_ms / 1000
         ),
@@ -122,6 +126,11 @@ async def run(args: argparse.Namespace, url: str) -> None:
                 f"{name:<26}{conc:>5}  {_pct(m, 0.5) * 1e6:>10.0f}{_pct(m, 0.99) * 1e6:>9.0f}"
                 f"   {_pct(r, 0.5) * 1e6:>10.0f}{_pct(r, 0.99) * 1e6:>9.0f}   {local:>13}"
             )
+    print("\nblocks written to Redis per record (whole run, pre-fill included)")
+    for name in ("redis-binary", "redis-bounded"):
+        ix = indexes[name]
+        assert isinstance(ix, RedisIndex)
+        print(f"{name:<26}{ix.written_blocks / max(1, ix.records):>9.1f}")
     res = indexes["resilient(redis-binary)"]
     assert isinstance(res, ResilientIndex)
     print(
@@ -156,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iterations", type=int, default=3000)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--timeout-ms", type=float, default=10.0)
+    ap.add_argument("--refresh-blocks", type=int, default=64, help="redis-bounded's budget")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with redis_url(args.redis_url) as url:

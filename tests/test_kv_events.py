@@ -20,9 +20,10 @@ import zmq.asyncio
 
 from router.blocks import continue_chain, root_hash
 from router.index import MemoryIndex
+from router.index.redis import make_client
 from router.kv_events import Endpoints, KVEventSubscriber
 from router.kv_wire import BlockStored, Skipped, WireError, decode_batch, parse_frames
-from tests.helpers import post
+from tests.helpers import post, wait_for
 
 BS = 16
 MODEL = "Qwen/Qwen3-0.6B"
@@ -467,3 +468,200 @@ def test_endpoints_are_listed_or_derived_from_the_replica_host():
     assert eps["http://10.0.0.1:8000"] == Endpoints("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
     assert eps["http://[::1]:8000"].pub == "tcp://[::1]:5557"
     assert eps["http://listed:8000"] == Endpoints("tcp://ev:1", "tcp://ev:2")
+
+
+# -- fleet mode: one gateway writes each stream -----------------------------------------
+
+
+async def fleet_gateways(fleet, gateway, redis_server, n_gw: int = 3, n: int = 2, **sim: Any):
+    replicas = await fleet(n, **{**KV, **sim})
+    gws = [
+        await gateway(
+            [r.url for r in replicas],
+            kv_events=True,
+            kv_events_endpoints=endpoints(replicas),
+            redis_url=redis_server.url,
+            redis_prefix="kvfleet",
+            sync_interval_s=0.1,
+            redis_timeout_ms=250.0,
+        )
+        for _ in range(n_gw)
+    ]
+    return replicas, gws
+
+
+def owners(gws: list[Any], url: str) -> list[Any]:
+    return [g for g in gws if g.gateway.kv_events.streams[url].owned]
+
+
+async def one_owner_each(gws: list[Any], replicas: list[Any]) -> None:
+    async def settled() -> bool:
+        return all(len(owners(gws, r.url)) == 1 for r in replicas)
+
+    await wait_for(settled, timeout=15.0, what="one owner per stream")
+
+
+async def fleet_settled(gws: list[Any], replicas: list[Any]) -> None:
+    """Every replica idle, and every gateway applied (and, the owner, wrote) every batch."""
+    for r in replicas:
+        await r.wait_idle()
+        last = r.kv_events.next_seq - 1
+        for g in gws:
+            sub = g.gateway.kv_events
+            assert await sub.catch_up(r.url)
+            stream = sub.streams[r.url]
+            await sub.wait(
+                lambda s=stream, n=last: s.written.startswith(f"{n}:") and not s.applying
+            )
+    for g in gws:  # placements are written off the request path in fleet mode
+        while g.gateway._background:
+            await asyncio.gather(*list(g.gateway._background), return_exceptions=True)
+
+
+async def shared_settled(client: Any, gws: list[Any], replicas: list[Any]) -> None:
+    """Each stream has one owner, up on Redis, whose last applied batch is the stamp in Redis
+    (a stamp is written only by an owner that missed no shared write since its takeover)."""
+    leases = gws[0].gateway.kv_events.leases
+
+    async def ok() -> bool:
+        for r in replicas:
+            found = owners(gws, r.url)
+            if len(found) != 1 or not found[0].gateway.index.inner.redis_up:
+                return False
+            stamp = await client.get(leases.stamp_key(r.url))
+            if stamp is None or stamp.decode() != found[0].gateway.kv_events.streams[r.url].written:
+                return False
+        return True
+
+    await wait_for(ok, timeout=15.0, what="every stream's writes stamped in Redis")
+
+
+async def shared(client: Any, gw: Any, url: str) -> set[int]:
+    """The replica's blocks in Redis, as every gateway reads them."""
+    primary = gw.gateway.index.inner.primary
+    raw = await client.zrange(primary.blocks_key(url), 0, -1)
+    return {int.from_bytes(m, "little") for m in raw}
+
+
+async def test_fleet_mode_one_gateway_writes_each_stream_and_hands_over(
+    fleet, gateway, redis_server
+):
+    replicas, gws = await fleet_gateways(fleet, gateway, redis_server, num_gpu_blocks=150)
+    await one_owner_each(gws, replicas)
+    client = make_client(redis_server.url, socket_timeout=2.0, connect_timeout=1.0)
+    try:
+        await handover(client, gws, replicas)
+    finally:
+        await client.aclose()
+
+
+async def handover(client: Any, gws: list[Any], replicas: list[Any]) -> None:
+    leases = gws[0].gateway.kv_events.leases
+    before = {
+        (id(g), r.url): g.gateway.kv_events.streams[r.url].shared_batches
+        for g in gws
+        for r in replicas
+    }
+
+    async def send_round_robin(bodies: list[dict[str, Any]], via: list[Any]) -> None:
+        async with aiohttp.ClientSession() as session:
+            for i in range(0, len(bodies), 4):
+                await send(session, via[(i // 4) % len(via)].url, bodies[i : i + 4])
+
+    await send_round_robin(mixed(40), gws)
+    await fleet_settled(gws, replicas)
+    await shared_settled(client, gws, replicas)
+    assert all(r.engine.pool.evictions > 0 for r in replicas)
+    for r in replicas:
+        (owner,) = owners(gws, r.url)
+        assert (await client.get(leases.lease_key(r.url))).decode() == (
+            owner.gateway.sync.gateway_id
+        )
+        # Exactly one gateway wrote the stream's events to Redis; all followed it locally.
+        written = [
+            g.gateway.kv_events.streams[r.url].shared_batches - before[id(g), r.url] for g in gws
+        ]
+        assert sorted(w > 0 for w in written) == [False, False, True], written
+        assert await shared(client, gws[0], r.url) == truth(r)
+        for g in gws:
+            assert g.gateway.index.inner.local.blocks(r.url) >= truth(r)
+
+    # The owner of replica 0 crashes: no release, no more renewals; its lease expires and
+    # another gateway takes the stream over.
+    r0 = replicas[0]
+    (dead,) = owners(gws, r0.url)
+    dead_id = dead.gateway.sync.gateway_id
+    await dead.gateway.kv_events.stop(release=False)
+    alive = [g for g in gws if g is not dead]
+    await one_owner_each(alive, replicas)
+    (heir,) = owners(alive, r0.url)
+    assert heir.gateway.kv_events.streams[r0.url].takeovers == 1
+
+    # A gap: the lease held by a zombie (the test renews it for the dead gateway) while
+    # traffic flows, so nobody writes replica 0's events; then it expires and whoever claims
+    # it catches up from the stamped seq, out of its log of the writes it skipped.
+    await client.set(leases.lease_key(r0.url), dead_id, px=60_000)
+
+    async def disowned() -> bool:
+        return not owners(alive, r0.url)
+
+    await wait_for(disowned, what="the zombie's lease seen")
+    await send_round_robin(mixed(16, offset=200), alive)
+    await fleet_settled(alive, replicas)
+    assert await shared(client, alive[0], r0.url) != truth(r0)  # nobody wrote the gap
+    caught_up = sum(g.gateway.kv_events.streams[r0.url].caught_up for g in alive)
+    await client.delete(leases.lease_key(r0.url))
+    await shared_settled(client, alive, replicas)
+    assert sum(g.gateway.kv_events.streams[r0.url].caught_up for g in alive) > caught_up
+    for r in replicas:
+        assert await shared(client, alive[0], r.url) == truth(r)
+
+    # A stamp the new owner cannot find in its log (another publisher process, a lost key):
+    # it rewrites the replica's shared entry from its exact holder set instead.
+    resyncs = {id(g): g.gateway.kv_events.streams[r0.url].resyncs for g in alive}
+    (owner,) = owners(alive, r0.url)
+    await owner.gateway.kv_events.stop(release=False)
+    await client.set(leases.stamp_key(r0.url), "999999:0")
+    rest = [g for g in alive if g is not owner]
+    await shared_settled(client, rest, replicas)
+    (last,) = owners(rest, r0.url)
+    assert last.gateway.kv_events.streams[r0.url].resyncs == resyncs[id(last)] + 1
+    assert await shared(client, last, r0.url) == truth(r0)
+
+
+async def test_fleet_mode_redis_restart_rebuilds_the_shared_index_from_the_events(
+    fleet, gateway, redis_server
+):
+    """Redis dies mid-traffic: requests go on (each gateway routes on its exact local view),
+    nobody claims a stream while Redis is away; once it is back (empty), each stream's new
+    owner finds no stamp and rewrites the replica's shared entry from its holder set."""
+    replicas, gws = await fleet_gateways(fleet, gateway, redis_server, n_gw=2, num_gpu_blocks=150)
+    await one_owner_each(gws, replicas)
+    client = make_client(redis_server.url, socket_timeout=2.0, connect_timeout=1.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await send(session, gws[0].url, mixed(12))
+            redis_server.kill()
+
+            async def all_down() -> bool:
+                return all(not g.gateway.index.inner.redis_up for g in gws) and not any(
+                    owners(gws, r.url) for r in replicas
+                )
+
+            await send(session, gws[1].url, mixed(12, offset=50))  # trips the circuits
+            await wait_for(all_down, what="every gateway on its local view, no owner")
+            await send(session, gws[0].url, mixed(12, offset=100))
+            await fleet_settled(gws, replicas)
+            for g in gws:  # the local views followed the events all along
+                for r in replicas:
+                    assert g.gateway.index.inner.local.blocks(r.url) >= truth(r)
+            resyncs = sum(g.gateway.kv_events.streams[r.url].resyncs for g in gws for r in replicas)
+            redis_server.start()  # same port, no data
+            await shared_settled(client, gws, replicas)
+        assert sum(
+            g.gateway.kv_events.streams[r.url].resyncs for g in gws for r in replicas
+        ) >= resyncs + len(replicas)
+        for r in replicas:
+            assert await shared(client, gws[0], r.url) == truth(r)
+    finally:
+        await client.aclose()

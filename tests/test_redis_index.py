@@ -517,3 +517,107 @@ async def test_resilient_start_with_redis_down_then_up(redis_server: RedisServer
     assert await res.match([1, 2], ["r"]) == {"r": 0}  # shared state (empty) again
     await res.close()
     await c.aclose()
+
+
+# -- bounded records (write only what changed) -----------------------------------------------
+
+
+async def zadds(client: Redis) -> tuple[int, int]:
+    """(ZADD calls, EVALSHA calls) so far, from Redis's own INFO commandstats."""
+    stats = await client.info("commandstats")
+    return (
+        int(stats.get("cmdstat_zadd", {}).get("calls", 0)),
+        int(stats.get("cmdstat_evalsha", {}).get("calls", 0)),
+    )
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+async def test_a_repeated_long_prompt_costs_only_what_changed(client: Redis, bounded: bool) -> None:
+    idx = RedisIndex(client, MODEL, default_capacity=20_000, refresh_blocks=64 if bounded else None)
+    prompt = list(range(1, 2001))  # 2,000 blocks: a ~32k-token agentic context
+    zadd0, _ = await zadds(client)
+    await idx.record("r", prompt)
+    first = idx.written_blocks
+    assert first == 2000
+    rng = random.Random(0)
+    for turn in range(40):
+        # Other traffic in between (so the prompt's head ages), then the prompt again with a
+        # few new blocks, as a conversation grows.
+        for _ in range(5):
+            await idx.record("r", [rng.getrandbits(64) for _ in range(50)])
+        prompt += [10**7 + turn * 10 + j for j in range(3)]
+        await idx.record("r", prompt)
+    other = 40 * 5 * 50
+    repeated = idx.written_blocks - first - other
+    zadd_calls = (await zadds(client))[0] - zadd0
+    assert await idx.match(prompt, ["r"]) == {"r": len(prompt)}
+    if bounded:
+        # New blocks (3 per turn) plus at most 64 refreshed per record; the head got stale
+        # (other traffic past 1/16 of the capacity) a few times only.
+        assert repeated <= 40 * (3 + 64), repeated
+        assert zadd_calls <= 4 + 40 * 6, zadd_calls  # 4 chunks for the first, then 1 a record
+    else:  # the exact model rewrites all ~2,000 blocks every time
+        assert repeated >= 40 * 2000, repeated
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_bounded_records_match_the_memory_index_while_it_fits(
+    client: Redis, seed: int
+) -> None:
+    """A mixed workload (shared prefixes, growing and repeated prompts, forgets, drops) that
+    fits the capacity: the bounded index's matches and sizes equal the in-memory index's."""
+    rng = random.Random(seed)
+    uni = Universe(rng)
+    mem = MemoryIndex(default_capacity=10_000)
+    red = RedisIndex(client, MODEL, default_capacity=10_000, refresh_blocks=4)
+    for step in range(500):
+        op = rng.random()
+        replica = rng.choice(REPLICAS)
+        if op < 0.45:
+            p = uni.prompt() if rng.random() < 0.5 or not uni.prompts else rng.choice(uni.prompts)
+            blocks = p[: rng.randint(1, len(p))]
+            await mem.record(replica, blocks)
+            await red.record(replica, blocks)
+        elif op < 0.85:
+            p = rng.choice(uni.prompts) if uni.prompts else uni.prompt()
+            query = p + [rng.getrandbits(64) for _ in range(rng.randint(0, 3))]
+            cands = rng.sample(REPLICAS, rng.randint(1, len(REPLICAS)))
+            assert await red.match(query, cands) == await mem.match(query, cands), step
+        elif op < 0.95 and uni.prompts:
+            gone = uni.subtree(rng.choice(rng.choice(uni.prompts)))
+            await mem.forget(replica, gone)
+            await red.forget(replica, gone)
+        else:
+            await mem.drop_replica(replica)
+            await red.drop_replica(replica)
+        for r in REPLICAS:
+            assert red.size(r) == mem.size(r), step
+    for p in uni.prompts:
+        assert await red.match(p, REPLICAS) == await mem.match(p, REPLICAS)
+    assert red.written_blocks < sum(len(p) for p in uni.prompts) * 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_bounded_records_keep_chains_prefix_closed_under_eviction(
+    client: Redis, seed: int
+) -> None:
+    """Under heavy trimming the bounded recency differs from exact LRU, but a chain's held
+    blocks stay a prefix: the binary-search match equals a block-by-block scan of Redis."""
+    rng = random.Random(seed)
+    uni = Universe(rng)
+    red = RedisIndex(client, MODEL, default_capacity=150, refresh_blocks=3, fresh_fraction=0.1)
+    key = red.blocks_key("r")
+    for _ in range(400):
+        p = (
+            uni.prompt(max_len=60)
+            if rng.random() < 0.4 or not uni.prompts
+            else rng.choice(uni.prompts)
+        )
+        await red.record("r", p[: rng.randint(1, len(p))])
+    assert await client.zcard(key) == 150
+    for p in uni.prompts:
+        scores = await client.zmscore(key, [red._members([h])[0] for h in p])
+        scan = next((i for i, s in enumerate(scores) if s is None), len(p))
+        assert (await red.match(p, ["r"]))["r"] == scan
+        held = [s for s in scores if s is not None]
+        assert held == sorted(held, reverse=True)  # never more recent than an ancestor

@@ -18,6 +18,23 @@ current highest score, last block lowest, so block 0 is the most recent (exactly
 ``MemoryIndex`` keeps). Scores are per key, so no shared clock is needed and gateways with
 skewed clocks agree; the LRU trim is ``ZREMRANGEBYRANK key 0 -(cap+1)``.
 
+Bounded records (``refresh_blocks=B``, fleet mode): rewriting every block of a prompt on every
+record saturates Redis with agentic prompts of thousands of blocks, so a record writes only
+the blocks new to the replica plus at most B old ones. Recency is kept per chain by
+*generations*: a chain whose head (block 0) scores g is up to date when block i scores g - i.
+A record finds the held run k and, if the head is still among the most recent
+``fresh_fraction`` of the capacity, keeps g and refreshes the next B blocks that do not follow
+it yet (the first f blocks do: a binary search, since refreshes always extend that prefix);
+otherwise it starts a new generation above ``top`` with the first B blocks. New blocks follow
+g when the chain has caught up, else they go just below their parent. Every score is at most
+its parent's, so a chain's held set stays prefix-closed under the LRU trim and ``match``'s
+binary search stays exact. The model's error is in recency only, and bounded: a hot chain's
+head is never more than ``fresh_fraction`` x capacity ranks from where exact LRU puts it, and
+its tail catches up B blocks per use. A tail trimmed before it caught up is forgotten earlier
+than vLLM would evict it: a shorter predicted match (a missed affinity, corrected by the
+reported cached tokens), written again as new blocks by the next record. Cost per record:
+O(log n) reads, at most B + (new blocks) members written, the trim.
+
 Match: one ``EVALSHA`` for all candidate replicas. Because block i's hash chains over blocks
 0..i-1 and every record touches a prompt's blocks tail first, a block is never more recent
 than its ancestors, so LRU trimming evicts descendants first and "holds block i" implies
@@ -45,6 +62,8 @@ from router.index.memory import DEFAULT_CAPACITY_BLOCKS
 
 DEFAULT_NAMESPACE = "prefix-router"
 DEFAULT_TTL_S = 24 * 3600.0
+DEFAULT_REFRESH_BLOCKS = 64  # fleet mode's budget (router/fleet_mode.py)
+DEFAULT_FRESH_FRACTION = 1 / 16
 
 Encoding = Literal["binary", "decimal"]
 
@@ -122,6 +141,86 @@ if card > cap then
 end
 redis.call('PEXPIRE', KEYS[1], ttl)
 return card
+"""
+
+# Write only what changed (``refresh_blocks`` set; see "Bounded records" in the module doc).
+# KEYS and ARGV[1..3] as _RECORD, ARGV[4] the refresh budget B, ARGV[5] the head's freshness
+# bound as a fraction of the capacity, then the hashes. Returns {cardinality, members written}.
+_RECORD_CHANGED = """
+local ttl, budget = ARGV[3], tonumber(ARGV[4])
+local cap = tonumber(redis.call('GET', KEYS[2]))
+if cap then
+  redis.call('PEXPIRE', KEYS[2], ttl)
+else
+  cap = tonumber(ARGV[1])
+  if ARGV[2] == '1' then redis.call('SET', KEYS[2], ARGV[1], 'PX', ttl) end
+end
+local key = KEYS[1]
+local function score(i) return tonumber(redis.call('ZSCORE', key, m(i))) end
+-- k: the leading run held (binary search, as in match)
+local k = 0
+local s1 = score(1)
+if s1 then
+  if score(n) then
+    k = n
+  else
+    local lo, hi = 1, n - 1
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if score(mid) then lo = mid else hi = mid - 1 end
+    end
+    k = lo
+  end
+end
+local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+local base = tonumber(top[2]) or 0
+local args, j, written = {{}}, 0, 0
+local function add(sc, i)
+  args[j + 1] = sc
+  args[j + 2] = m(i)
+  j = j + 2
+  written = written + 1
+  if j >= {chunk} then
+    redis.call('ZADD', key, unpack(args, 1, j))
+    j = 0
+  end
+end
+-- A generation g: block i of a chain whose head (block 1) scores g should score g - (i - 1).
+local g, f = base + n, 0
+if k > 0 then
+  local fresh = math.max(budget, math.floor(cap * tonumber(ARGV[5])))
+  if redis.call('ZREVRANK', key, m(1)) < fresh then
+    g = s1  -- the head is recent enough: keep its generation; f blocks already follow it
+    f = 1
+    if score(k) >= g - (k - 1) then
+      f = k
+    else
+      local lo, hi = 1, k - 1  -- blocks 1..lo follow g, block hi+1 does not
+      while lo < hi do
+        local mid = math.floor((lo + hi + 1) / 2)
+        local sm = score(mid)
+        if sm and sm >= g - (mid - 1) then lo = mid else hi = mid - 1 end
+      end
+      f = lo
+    end
+  end
+end
+local upto = math.min(k, f + budget)
+for i = upto, f + 1, -1 do add(g - (i - 1), i) end
+if upto == k then
+  for i = n, k + 1, -1 do add(g - (i - 1), i) end
+else  -- the chain has not caught up with g yet: new blocks go just below their parent
+  local sk = score(k)
+  for i = n, k + 1, -1 do add(sk - (i - k), i) end
+end
+if j > 0 then redis.call('ZADD', key, unpack(args, 1, j)) end
+local card = redis.call('ZCARD', key)
+if card > cap then
+  redis.call('ZREMRANGEBYRANK', key, 0, card - cap - 1)
+  card = cap
+end
+redis.call('PEXPIRE', key, ttl)
+return {{card, written}}
 """
 
 # KEYS[1] blocks zset. ARGV: the hashes to remove. Returns the cardinality left.
@@ -207,6 +306,8 @@ class RedisIndex:
         ttl_s: float = DEFAULT_TTL_S,
         encoding: Encoding = "binary",
         owns_client: bool = False,
+        refresh_blocks: int | None = None,
+        fresh_fraction: float = DEFAULT_FRESH_FRACTION,
     ) -> None:
         if encoding not in _MEMBERS:
             raise ValueError(f"encoding must be 'binary' or 'decimal', not {encoding!r}")
@@ -228,6 +329,14 @@ class RedisIndex:
         self._record = client.register_script(_script(_RECORD, encoding, 4))
         self._forget = client.register_script(_script(_FORGET, encoding, 1))
         self._set_capacity = client.register_script(_SET_CAPACITY)
+        # Bounded records: at most ``refresh_blocks`` old blocks refreshed per record.
+        if refresh_blocks is not None and refresh_blocks < 1:
+            raise ValueError("refresh_blocks must be at least 1 (or None: rewrite every block)")
+        self.refresh_blocks = refresh_blocks
+        self.fresh_fraction = fresh_fraction
+        self._record_changed = client.register_script(_script(_RECORD_CHANGED, encoding, 6))
+        self.records = 0
+        self.written_blocks = 0  # members the record scripts (re)wrote
 
     @classmethod
     def from_url(cls, url: str, model: str, **kwargs: Any) -> RedisIndex:
@@ -269,10 +378,17 @@ class RedisIndex:
         known = self._capacity.get(replica)
         cap = known if known is not None else self.default_capacity
         args: list[Any] = [cap, 1 if known is not None else 0, self.ttl_ms]
-        args += self._members(block_hashes)
-        card = await self._record(
-            keys=[self.blocks_key(replica), self.capacity_key(replica)], args=args
-        )
+        keys = [self.blocks_key(replica), self.capacity_key(replica)]
+        self.records += 1
+        if self.refresh_blocks is None:
+            card = await self._record(keys=keys, args=args + self._members(block_hashes))
+            self.written_blocks += len(block_hashes)
+        else:
+            args += [self.refresh_blocks, repr(self.fresh_fraction)]
+            card, written = await self._record_changed(
+                keys=keys, args=args + self._members(block_hashes)
+            )
+            self.written_blocks += int(written)
         self._sizes[replica] = int(card)
 
     async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:

@@ -267,7 +267,12 @@ class ResilientIndex:
             raise TimeoutError
         return task.result()
 
-    async def _write(self, what: str, make: Callable[[], Awaitable[None]]) -> bool:
+    async def write_primary(self, what: str, make: Callable[[], Awaitable[Any]]) -> bool:
+        """A write to the primary alone, under the same breaker and timeout as the others
+        (a KV event stream's new owner catching the shared index up). True if it landed."""
+        return await self._write(what, make)
+
+    async def _write(self, what: str, make: Callable[[], Awaitable[Any]]) -> bool:
         if not self.redis_up:
             self.skipped_writes += 1
             return False

@@ -31,6 +31,10 @@ replica answers placements with events: a placement after which no event came fo
 ``timeout_s`` marks it down (the publisher is wedged, or misconfigured, e.g. a wrong topic).
 Down, the replica is routed on the approximate model, which placements kept feeding all along:
 ``prefix_router_kv_events_up{replica}`` says which.
+
+Fleet mode: every gateway follows every stream (its local view stays exact), one gateway per
+stream writes it to the shared index (``ownership``: a Redis lease, a stamped seq, catch-up on
+takeover).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from router.kv_events.ownership import StreamLeases
 from router.kv_events.precise_index import PreciseIndex
 from router.kv_events.streams import Endpoints, Stream, endpoints_from_config
 from router.kv_events.subscriber import KVEventSubscriber
@@ -47,6 +52,7 @@ __all__ = [
     "KVEventSubscriber",
     "PreciseIndex",
     "Stream",
+    "StreamLeases",
     "endpoints_from_config",
     "start_for",
 ]
@@ -66,6 +72,17 @@ async def start_for(gateway: Any) -> KVEventSubscriber:
             config.kv_events_replay_port,
         )
 
+    leases = None
+    fleet_mode = getattr(gateway, "fleet_mode", None)
+    if fleet_mode is not None and fleet_mode.sync is not None:
+        sync = fleet_mode.sync
+        leases = StreamLeases(
+            fleet_mode.redis,
+            sync.prefix,
+            sync.gateway_id,
+            lambda: sync.peers,
+            interval_s=config.sync_interval_s,
+        )
     sub = KVEventSubscriber(
         gateway.index,
         endpoints,
@@ -74,6 +91,7 @@ async def start_for(gateway: Any) -> KVEventSubscriber:
         topic=config.kv_events_topic,
         timeout_s=config.kv_events_timeout_s,
         metrics=gateway.metrics,
+        leases=leases,
     )
     gateway.index = sub.index
     await sub.start()

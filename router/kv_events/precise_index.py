@@ -44,6 +44,9 @@ class PreciseIndex:
         if stream is not None:
             stream.capacity = blocks_
             blocks_ = self.subscriber.capacity_for(stream, blocks_)
+            if not stream.owned:  # fleet mode: the stream's owner sizes the shared entry
+                await self.subscriber.local.set_capacity(replica, blocks_)
+                return
         await self.inner.set_capacity(replica, blocks_)
 
     async def drop_replica(self, replica: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +15,12 @@ import zmq.asyncio
 from router.kv_wire import (
     Hash,
 )
+
+OPLOG_BATCHES = 4096  # a takeover further behind than this resyncs instead
+
+# One index write an event caused: ("record" | "forget", hashes) or ("drop", []) or
+# ("capacity", [blocks]).
+Op = tuple[str, list[int]]
 
 
 @dataclass
@@ -71,6 +77,18 @@ class Stream:
     resets: int = 0
     replays: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    # Fleet mode (router/kv_events/ownership.py): whether this gateway writes the stream's
+    # events to the shared index, who holds its lease, the stamp of the last batch applied
+    # ("<seq>:<crc>"), and each recent batch's index writes, for a takeover's catch-up.
+    owned: bool = True
+    applying: bool = False  # inside a batch: its writes join its log entry
+    holder: str = ""
+    written: str = ""
+    oplog: deque[tuple[str, list[Op]]] = field(default_factory=lambda: deque(maxlen=OPLOG_BATCHES))
+    shared_batches: int = 0  # batches whose writes went to the shared index
+    takeovers: int = 0
+    caught_up: int = 0  # batches replayed into the shared index on takeovers
+    resyncs: int = 0  # takeovers that rewrote the replica's shared entry instead
 
     def state(self) -> dict[str, Any]:
         return {
@@ -80,4 +98,6 @@ class Stream:
             "blocks": len(self.gw_holders),
             "resets": self.resets,
             "replays": self.replays,
+            "owned": self.owned,
+            "owner": self.holder or None,
         }

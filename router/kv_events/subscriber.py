@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -16,8 +17,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from router import blocks
 from router.index.base import PrefixIndex
+from router.kv_events.ownership import StreamLeases
 from router.kv_events.precise_index import PreciseIndex
-from router.kv_events.streams import Endpoints, Stream
+from router.kv_events.streams import Endpoints, Op, Stream
 from router.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,6 +34,7 @@ from router.kv_wire import (
 log = logging.getLogger("prefix_router.kv_events")
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+RESYNC_CHUNK = 2048  # blocks per shared write when a takeover rewrites a replica's entry
 MEMO_ENTRIES = 65_536  # vLLM -> gateway hashes of recently removed blocks (see _parent)
 
 
@@ -49,8 +52,14 @@ class KVEventSubscriber:
         reconnect_s: float = 2.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metrics: Any = None,
+        leases: StreamLeases | None = None,
     ) -> None:
         self.inner = index
+        # Fleet mode: a stream this gateway does not own is applied to its local index only
+        # (a ResilientIndex's ``local``), and its writes logged for a later takeover.
+        self.leases = leases
+        self.local: PrefixIndex = getattr(index, "local", index) if leases else index
+        self._transitions = getattr(index, "transitions", 0)
         self.index = PreciseIndex(index, self)
         self._endpoints = endpoints
         self._replicas = replicas
@@ -72,8 +81,19 @@ class KVEventSubscriber:
         self._ctx = zmq.asyncio.Context()
         self.sync()
         self._tick = asyncio.create_task(self._ticker())
+        if self.leases is not None:
+            self.leases.start(self.lease_tick)
 
-    async def stop(self) -> None:
+    async def stop(self, *, release: bool = True) -> None:
+        """Close every stream. ``release``: give up this gateway's leases at once (a
+        graceful stop); without it they expire, as after a crash."""
+        if self.leases is not None:
+            await self.leases.stop()
+            owned = [u for u, s in self.streams.items() if s.owned]
+            for s in self.streams.values():
+                s.owned = False
+            if release:
+                await self.leases.release(owned)
         if self._tick is not None:
             self._tick.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -100,7 +120,7 @@ class KVEventSubscriber:
                 self.streams[url] = self._open(url, eps)
 
     def _open(self, url: str, eps: Endpoints) -> Stream:
-        stream = Stream(url, eps)
+        stream = Stream(url, eps, owned=self.leases is None)
         self._connect(stream)
         self._gauge(stream)
         return stream
@@ -200,7 +220,7 @@ class KVEventSubscriber:
     async def _apply_capacity(self, stream: Stream) -> None:
         if stream.capacity is not None:
             with contextlib.suppress(Exception):
-                await self.inner.set_capacity(
+                await (self.inner if stream.owned else self.local).set_capacity(
                     stream.url, self.capacity_for(stream, stream.capacity)
                 )
 
@@ -366,14 +386,16 @@ class KVEventSubscriber:
         log.info("KV events for %s: %s; dropping its index entries", stream.url, why)
         stream.resets += 1
         self._forget_holders(stream)
-        await self.inner.drop_replica(stream.url)
-        await self._apply_capacity(stream)
+        await self._write(stream, ("drop", []))
+        if stream.capacity is not None:
+            await self._write(stream, ("capacity", [self.capacity_for(stream, stream.capacity)]))
 
     def restart(self, stream: Stream) -> None:
         """Forget the stream's position and holders: its replica restarted (a new publisher
         numbers from 0 again, which the live socket may not have shown) or its index was
         dropped. What the publisher still buffers is replayed from 0, rebuilding the index."""
         self._forget_holders(stream)
+        stream.oplog.append(("~", [("drop", [])]))  # a catch-up must not carry the old cache over
         stream.last_applied = stream.live_seq = None
         if stream.endpoints.replay:
             task = asyncio.get_running_loop().create_task(self.catch_up(stream.url))
@@ -393,11 +415,15 @@ class KVEventSubscriber:
     async def _apply(self, stream: Stream, seq: int, payload: bytes) -> None:
         stream.last_applied = seq
         stream.batches += 1
+        ops: list[Op] = []
+        stream.oplog.append((f"{seq}:{zlib.crc32(payload)}", ops))
+        stream.applying = True
+        shared = stream.owned
         try:
             events = decode_batch(payload)
         except WireError as e:
             self._count(stream, e.reason)
-            return
+            events = []
         for event in events:
             if isinstance(event, BlockStored):
                 await self._stored(stream, event)
@@ -407,6 +433,105 @@ class KVEventSubscriber:
                 await self._reset(stream, "AllBlocksCleared")
             elif isinstance(event, Skipped):
                 self._count(stream, event.reason)
+        stream.applying = False
+        stream.written = stream.oplog[-1][0]
+        stream.shared_batches += shared and bool(ops)
+
+    async def _write(self, stream: Stream, op: Op) -> None:
+        """One index write of the batch being applied: to the shared index when this
+        gateway owns the stream, else to the local one; logged either way."""
+        if not stream.applying:  # a reset between batches: an entry no stamp names
+            stream.oplog.append(("~", []))
+        stream.oplog[-1][1].append(op)
+        await self._do(self.inner if stream.owned else self.local, stream.url, op)
+
+    @staticmethod
+    async def _do(index: PrefixIndex, url: str, op: Op) -> None:
+        kind, arg = op
+        if kind == "record":
+            await index.record(url, arg)
+        elif kind == "forget":
+            await index.forget(url, arg)
+        elif kind == "drop":
+            await index.drop_replica(url)
+        elif kind == "capacity":
+            await index.set_capacity(url, arg[0])
+
+    # -- fleet mode: ownership -------------------------------------------------------------
+    async def lease_tick(self) -> None:
+        """Renew, claim or lose each stream's lease (router/kv_events/ownership.py); a stream
+        newly owned is caught up into the shared index first."""
+        leases = self.leases
+        assert leases is not None
+        transitions = getattr(self.inner, "transitions", 0)
+        if transitions != self._transitions or not getattr(self.inner, "redis_up", True):
+            # Shared writes were skipped meanwhile: owned streams catch up as on a takeover.
+            self._transitions = transitions
+            for stream in self.streams.values():
+                stream.owned = False
+        streams = dict(self.streams)
+        up = getattr(self.inner, "redis_up", True)
+        wanted = {  # no claims while shared writes would be skipped: a catch-up must land
+            url: (leases.mode(url, s.owned) if up else "peek", s.written if s.owned else "")
+            for url, s in streams.items()
+        }
+        views = await leases.tick(wanted)
+        if views is None:
+            for stream in streams.values():
+                stream.owned = False
+            self._changed.set()
+            return
+        for url, view in views.items():
+            stream = streams[url]
+            stream.holder = view.holder
+            if view.mine and not stream.owned:
+                await self._take_over(stream, view.stamp)
+            elif not view.mine and stream.owned:
+                log.info("KV events for %s: now written by gateway %s", url, view.holder)
+                stream.owned = False
+        self._changed.set()
+
+    async def _take_over(self, stream: Stream, stamp: str) -> None:
+        """Bring the shared index up to this gateway's view of the stream: replay the logged
+        writes of the batches after ``stamp`` (the last batch the previous owner wrote), or,
+        when the log does not reach back to it, rewrite the replica's shared entry."""
+        transitions = getattr(self.inner, "transitions", 0)
+        async with stream.lock:
+            log_ = list(stream.oplog)
+            at = next((i for i in range(len(log_) - 1, -1, -1) if log_[i][0] == stamp), None)
+            if at is not None:
+                for _, ops in log_[at + 1 :]:
+                    for op in ops:
+                        await self._do(self.inner, stream.url, op)
+                stream.caught_up += len(log_) - at - 1
+            else:
+                await self._resync(stream)
+            if stream.capacity is not None:  # the shared entry sized as this gateway sizes it
+                await self.inner.set_capacity(
+                    stream.url, self.capacity_for(stream, stream.capacity)
+                )
+            if getattr(self.inner, "transitions", 0) != transitions:
+                return  # Redis failed meanwhile: writes were lost; the next tick tries again
+            stream.owned = True
+            stream.takeovers += 1
+        log.info(
+            "KV events for %s: this gateway writes them now (%s)",
+            stream.url,
+            "caught up from the log" if at is not None else "shared entry rewritten",
+        )
+
+    async def _resync(self, stream: Stream) -> None:
+        stream.resyncs += 1
+        write = getattr(self.inner, "write_primary", None)
+        primary = getattr(self.inner, "primary", None)
+        if write is None or primary is None:
+            return
+        url = stream.url
+        await write("resync", lambda: primary.drop_replica(url))
+        held = list(stream.gw_holders)
+        for i in range(0, len(held), RESYNC_CHUNK):
+            chunk = held[i : i + RESYNC_CHUNK]
+            await write("resync", lambda chunk=chunk: primary.record(url, chunk))
 
     def _parent(self, stream: Stream, vh: Hash) -> int | None:
         entry = stream.held.get(vh)
@@ -437,7 +562,7 @@ class KVEventSubscriber:
                 gw_holders[gh] = gw_holders.get(gh, 0) + 1
             else:
                 entry[1] += 1
-        await self.inner.record(stream.url, gws)
+        await self._write(stream, ("record", gws))
 
     async def _removed(self, stream: Stream, hashes: Sequence[Hash]) -> None:
         held, gw_holders = stream.held, stream.gw_holders
@@ -461,4 +586,4 @@ class KVEventSubscriber:
         while len(stream.memo) > MEMO_ENTRIES:
             stream.memo.popitem(last=False)
         if gone:
-            await self.inner.forget(stream.url, gone)
+            await self._write(stream, ("forget", gone))
