@@ -24,6 +24,7 @@ from typing import Any
 
 import xxhash
 
+from router.prompt.fast_encode import REFERENCE, PlainEncoder, plain_encoder
 from router.prompt.fields import TokenIds, error
 
 log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it used to be
@@ -100,6 +101,11 @@ class SegmentTokenizer:
         self._split_re: re.Pattern[str] | None = None
         self._special_adds_nothing = False
         self.requested = segment_cache
+        # The one encode hook: new segments' BPE (router/prompt/fast_encode.py).
+        self._encode_plain: PlainEncoder | None = None
+        self.encoder = REFERENCE
+        if segment_cache and self._backend is not None:
+            self._encode_plain, self.encoder = plain_encoder(self._backend)
         reason = self._split_safe() if segment_cache else "disabled"
         self.enabled = reason is None
         if segment_cache and reason is not None:
@@ -218,14 +224,9 @@ class SegmentTokenizer:
             budget = _INLINE_BUDGET.get()
             if budget is not None and sum(map(len, missing.values())) > budget:
                 raise NeedsThread
-            segs = list(missing.values())
-            encs = (
-                self._backend.encode_batch_fast(segs, add_special_tokens=False)
-                if len(segs) > 1
-                else [self._backend.encode(segs[0], add_special_tokens=False)]
-            )
-            for key, enc in zip(missing, encs, strict=True):
-                ids = enc.ids
+            assert self._encode_plain is not None
+            encs = self._encode_plain(list(missing.values()))
+            for key, ids in zip(missing, encs, strict=True):
                 found[key] = ids
                 if use_cache:
                     self._put(key, ids)
@@ -241,7 +242,7 @@ class SegmentTokenizer:
                 k += 1
         return out  # an array all the way to block hashing: no Python int per token
 
-    def _put(self, key: int, ids: list[int]) -> None:
+    def _put(self, key: int, ids: Sequence[int]) -> None:
         n = len(ids)
         if n == 0 or n > self.max_tokens // 4:  # one segment may not flush the cache
             return
