@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import sys
@@ -28,8 +27,6 @@ from router.usage import (
 
 if TYPE_CHECKING:
     from aiohttp import web
-
-GC_YOUNG_THRESHOLD = 50_000  # see _tune_gc
 
 DESCRIPTION = """\
 An OpenAI-compatible gateway for vLLM fleets that routes each request to the replica most
@@ -89,21 +86,11 @@ def _run_worker(config: Config) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     _log_lifecycle(app, config)
-    app.on_startup.append(_tune_gc)  # after the gateway's own start-up
     try:
         _run_app(app, config, loop)
     except OSError as e:  # lost a race for the port checked free at start
         raise UsageError(listen_error(config.host, config.port, e)) from None
     return 0
-
-
-async def _tune_gc(app: web.Application) -> None:
-    """Start-up's objects (config, templates, the renderer's tables) live as long as the
-    process: frozen, the cyclic collector never walks them again. Young collections every
-    50,000 allocations instead of 700: a request allocates thousands of objects that
-    reference counting frees, and each young collection walked every in-flight request's."""
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _log_lifecycle(app: web.Application, config: Config) -> None:
