@@ -208,6 +208,14 @@ class Fleet:
         """The union of the healthy replicas' model cards."""
         return {k: v for r in self.healthy() for k, v in r.cards.items()}
 
+    def card(self, model: str) -> dict[str, Any] | None:
+        """``models().get(model)`` without building the union (asked on every request)."""
+        found = None
+        for r in self.replicas.values():
+            if r.healthy:
+                found = r.cards.get(model, found)
+        return found
+
     def knows_models(self) -> bool:
         return any(r.models_known for r in self.healthy())
 

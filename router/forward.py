@@ -150,7 +150,8 @@ def _response_headers(
 # would be ``\\"usage\\"``): every API puts its final usage last (chat's last chunk,
 # Anthropic's message_delta, Responses' response.completed, whose event may be longer than
 # the tail kept, so the object is decoded from the key on, not from the event's start).
-_USAGE_KEY = re.compile(rb'(?<!\\)"usage"\s*:\s*')
+# Found last first with ``rfind`` (a regex scan of the whole body cost ~10 us a response).
+_AFTER_KEY = re.compile(rb"\s*:\s*")
 _DECODER = json.JSONDecoder()
 HEAD_BYTES = 4096  # the start of an answer kept for observers (a Responses id)
 
@@ -161,11 +162,14 @@ def usage_of(body: bytes) -> tuple[int | None, int | None]:
     Cached tokens as each API reports them: chat/completions
     ``prompt_tokens_details.cached_tokens``, Responses ``input_tokens_details.cached_tokens``,
     Anthropic ``cache_read_input_tokens``."""
-    if b'"usage"' not in body:
-        return None, None
-    for m in reversed(list(_USAGE_KEY.finditer(body))):
+    end = len(body)
+    while (at := body.rfind(b'"usage"', 0, end)) >= 0:
+        end = at
+        after = _AFTER_KEY.match(body, at + 7)
+        if after is None or (at > 0 and body[at - 1] == 0x5C):  # a backslash before it
+            continue
         try:
-            usage, _ = _DECODER.raw_decode(body[m.end() :].decode("utf-8", "replace"))
+            usage, _ = _DECODER.raw_decode(body[after.end() :].decode("utf-8", "replace"))
         except ValueError:
             continue
         if not isinstance(usage, dict):

@@ -329,7 +329,7 @@ class Gateway:
             self.serving(model)
         lora = model if fleet and fleet.adapter_parent(model) else None
         if fleet is not None:  # what cannot fit the context is refused before rendering
-            card = fleet.models().get(model) or {}
+            card = fleet.card(model) or {}
             check_fits(body, card.get("max_model_len"), self._renderer().max_chars_per_token())
         chat = to_chat(endpoint, body)
         salt = self.tenancy.salt(
@@ -419,7 +419,7 @@ class Gateway:
             await self.index.record(decision.replica, rr.block_hashes)
         else:  # a Redis write stays off the request's critical path
             self.spawn(self.index.record(decision.replica, rr.block_hashes))
-        self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+        self.metrics.child(self.metrics.decisions, decision.policy, decision.reason).inc()
 
     def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
         """Compare the prediction with what the replica reports, and correct the index."""
@@ -428,16 +428,20 @@ class Gateway:
             if outcome.status < 400 and outcome.complete
             else (f"http_{outcome.status}" if outcome.status >= 400 else "broken")
         )
-        self.metrics.requests.labels(decision.replica, decision.policy, outcome_label).inc()
-        self.metrics.upstream_ttft.labels(decision.replica).observe(outcome.first_byte_s)
+        self.metrics.child(
+            self.metrics.requests, decision.replica, decision.policy, outcome_label
+        ).inc()
+        self.metrics.child(self.metrics.upstream_ttft, decision.replica).observe(
+            outcome.first_byte_s
+        )
         predicted = decision.matched_blocks * rr.block_size
-        self.metrics.predicted_cached_tokens.labels(rr.tenant).inc(predicted)
+        self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
         for observer in self.observers:
             observer.observe(rr, decision, outcome)
         if outcome.cached_tokens is None:
             return
         reported = outcome.cached_tokens
-        self.metrics.reported_cached_tokens.labels(rr.tenant).inc(reported)
+        self.metrics.child(self.metrics.reported_cached_tokens, rr.tenant).inc(reported)
         self.metrics.prediction_error.observe(predicted - reported)
         precise = self.kv_events is not None and self.kv_events.is_up(decision.replica)
         if reported == 0 and decision.matched_blocks >= 2 and not precise:  # events know

@@ -130,8 +130,9 @@ class Handlers:
             forward_authorization=not self.gw.config.auth,
             allow=self.gw.forward_allow,
         )
-        self.gw.metrics.tenant_requests.labels(rr.tenant).inc()
-        self.gw.metrics.prompt_tokens.labels(rr.tenant).inc(rr.num_tokens)
+        metrics = self.gw.metrics
+        metrics.child(metrics.tenant_requests, rr.tenant).inc()
+        metrics.child(metrics.prompt_tokens, rr.tenant).inc(rr.num_tokens)
         tried: set[str] = set()
         while True:
             decision = await self.gw.decide(rr, frozenset(tried))
@@ -192,7 +193,7 @@ class Handlers:
         replica.inflight += 1
         replica.pending_requests += 1
         replica.pending_prefill_tokens += uncached
-        gauge = self.gw.metrics.inflight.labels(replica.url)
+        gauge = self.gw.metrics.child(self.gw.metrics.inflight, replica.url)
         gauge.inc()
         pending = True
 

@@ -290,3 +290,23 @@ def test_a_popular_prefix_at_light_load_spreads_by_recent_share():
         )
         fresh.placed(d)
         assert d.replica == first
+
+
+def test_usage_of_takes_the_last_usage_key_outside_strings() -> None:
+    from router.forward import usage_of
+
+    chat = b'{"usage": {"prompt_tokens": 9, "completion_tokens": 4, '
+    chat += b'"prompt_tokens_details": {"cached_tokens": 8}}}'
+    assert usage_of(chat) == (8, 4)
+    # SSE: the last chunk's usage wins; a "usage" inside a JSON string is not a key
+    sse = b'data: {"usage": {"completion_tokens": 1}}\n\ndata: {"text": "\\"usage\\": {}"}\n\n'
+    sse += b'data: {"usage" : {"completion_tokens": 7, "cache_read_input_tokens": 3}}\n\n'
+    assert usage_of(sse) == (3, 7)
+    assert usage_of(b'data: {"text": "say \\"usage\\": {\\"completion_tokens\\": 5}"}') == (
+        None,
+        None,
+    )
+    # a last key whose value does not parse (a cut tail) falls back to the one before
+    assert usage_of(b'{"usage": {"output_tokens": 2}} {"usage": {"output_tok') == (None, 2)
+    assert usage_of(b'{"usage": null, "x": {"usage": 5}}') == (None, None)
+    assert usage_of(b"") == (None, None)

@@ -27,6 +27,7 @@ from typing import Any
 import xxhash
 
 from router.errors import APIError
+from router.prompt.fast_encode import REFERENCE, PlainEncoder, plain_encoder
 from router.prompt.fields import TokenIds, error
 
 log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it used to be
@@ -175,6 +176,11 @@ class SegmentTokenizer:
         self._special_adds_nothing = False
         self._chunkable = False  # new text can be cut at _SAFE_CUT (see _chunk_safe)
         self.requested = segment_cache
+        # The one encode hook: new segments' BPE (router/prompt/fast_encode.py).
+        self._encode_plain: PlainEncoder | None = None
+        self.encoder = REFERENCE
+        if segment_cache and self._backend is not None:
+            self._encode_plain, self.encoder = plain_encoder(self._backend)
         reason = self._split_safe() if segment_cache else "disabled"
         self.enabled = reason is None
         if segment_cache and reason is not None:
@@ -327,16 +333,12 @@ class SegmentTokenizer:
             budget = _INLINE_BUDGET.get()
             if budget is not None and sum(map(len, missing.values())) > budget:
                 raise NeedsThread
+            assert self._encode_plain is not None
             segs = list(missing.values())
             if state is not None and sum(map(len, segs)) > CHUNK_CHARS:
-                all_ids = [self._encode_budgeted(seg, state) for seg in segs]
+                all_ids: list[Sequence[int]] = [self._encode_budgeted(seg, state) for seg in segs]
             else:
-                encs = (
-                    self._backend.encode_batch_fast(segs, add_special_tokens=False)
-                    if len(segs) > 1
-                    else [self._backend.encode(segs[0], add_special_tokens=False)]
-                )
-                all_ids = [enc.ids for enc in encs]
+                all_ids = self._encode_plain(segs)
             for key, ids in zip(missing, all_ids, strict=True):
                 found[key] = ids
                 if use_cache:
@@ -358,20 +360,24 @@ class SegmentTokenizer:
         Pieces are cut at ``_SAFE_CUT`` (exact) when the tokenizer is Qwen2's kind; a longer
         stretch with no such cut is first encoded in arbitrary pieces only to check the
         budget (those ids are thrown away), then whole."""
-        assert self._backend is not None
-        encode = self._backend.encode
+        assert self._encode_plain is not None
+        plain = self._encode_plain
+
+        def encode(text: str) -> Sequence[int]:
+            return plain([text])[0]
+
         ids: list[int] = []
         for piece, exact in self._pieces(text):
             if exact:
-                ids.extend(encode(piece, add_special_tokens=False).ids)
+                ids.extend(encode(piece))
                 self._check(state, len(ids), len(text))
                 continue
             probed = 0
             for at in range(0, len(piece), CHUNK_CHARS):
-                probed += len(encode(piece[at : at + CHUNK_CHARS], add_special_tokens=False).ids)
+                probed += len(encode(piece[at : at + CHUNK_CHARS]))
                 # A cut can split what whole-text BPE merges: allow a few tokens per cut.
                 self._check(state, len(ids) + probed - 4 * (at // CHUNK_CHARS), len(text))
-            ids.extend(encode(piece, add_special_tokens=False).ids)
+            ids.extend(encode(piece))
             self._check(state, len(ids), len(text))
         state.tokens += len(ids)
         return ids
@@ -403,7 +409,7 @@ class SegmentTokenizer:
         if time.thread_time() > state.deadline:
             raise over_budget(state.cpu_s, chars)
 
-    def _put(self, key: int, ids: list[int]) -> None:
+    def _put(self, key: int, ids: Sequence[int]) -> None:
         n = len(ids)
         if n == 0 or n > self.max_tokens // 4:  # one segment may not flush the cache
             return
