@@ -107,7 +107,9 @@ class Handlers:
         tenant = self.gw.tenancy.identify(request.headers)  # before reading a byte of the body
         raw = await self.read_body(request)
         try:
-            rr = await self.gw.prepare(raw, request.headers, endpoint, request_id, tenant)
+            rr = await self.gw.prepare(
+                raw, request.headers, endpoint, request_id, tenant, lazy=True
+            )
             return await self.route_prepared(request, rr)
         finally:
             if len(raw) > LARGE_BODY_BYTES:
@@ -130,7 +132,7 @@ class Handlers:
             allow=self.gw.forward_allow,
         )
         self.gw.metrics.tenant_requests.labels(rr.tenant).inc()
-        self.gw.metrics.prompt_tokens.labels(rr.tenant).inc(rr.num_tokens)
+        self.gw.count_prompt(rr)
         tried: set[str] = set()
         while True:
             decision = await self.gw.decide(rr, frozenset(tried))

@@ -97,6 +97,7 @@ class SegmentTokenizer:
         self.hits = 0
         self.misses = 0
         self._added: dict[str, int] = {}
+        self._added_text: dict[int, str] = {}
         self._split_re: re.Pattern[str] | None = None
         self._special_adds_nothing = False
         self.requested = segment_cache
@@ -128,6 +129,7 @@ class SegmentTokenizer:
             if not tok.content:
                 return "empty added token"
             self._added[tok.content] = tid
+            self._added_text[tid] = tok.content
         if getattr(self.tokenizer, "split_special_tokens", False):
             return "split_special_tokens is set"
         spec: dict[str, Any] = {}
@@ -178,16 +180,7 @@ class SegmentTokenizer:
 
     def _encode_split(self, text: str, *, use_cache: bool) -> array[int]:
         assert self._split_re is not None and self._backend is not None
-        added = self._added
-        pieces: list[str | int] = []  # segment text, or an added token's id
-        pos = 0
-        for m in self._split_re.finditer(text):
-            if m.start() > pos:
-                pieces.append(text[pos : m.start()])
-            pieces.append(added[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            pieces.append(text[pos:])
+        pieces = self.pieces(text)
         keys: list[int] = []
         found: dict[int, Sequence[int]] = {}
         missing: dict[int, str] = {}
@@ -240,6 +233,70 @@ class SegmentTokenizer:
                 out.extend(found[keys[k]])
                 k += 1
         return out  # an array all the way to block hashing: no Python int per token
+
+    def pieces(self, text: str) -> list[str | int]:
+        """``text`` cut at the added tokens: segment text, or an added token's id (in order;
+        their ids concatenated are the text's ids)."""
+        assert self._split_re is not None
+        added = self._added
+        pieces: list[str | int] = []
+        pos = 0
+        for m in self._split_re.finditer(text):
+            if m.start() > pos:
+                pieces.append(text[pos : m.start()])
+            pieces.append(added[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            pieces.append(text[pos:])
+        return pieces
+
+    # -- one segment at a time, for the lazy tail (router/prompt/lazy.py) -------------------
+    @property
+    def backend(self) -> Any:
+        """The Rust ``tokenizers.Tokenizer``, or None for a slow tokenizer."""
+        return self._backend
+
+    def split_path(self, add_special_tokens: bool) -> bool:
+        """Whether ``encode`` takes the segment path for this flag (else the whole text)."""
+        return self.enabled and (not add_special_tokens or self._special_adds_nothing)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of an added token (one ``pieces`` returned as its id)."""
+        return self._added_text[token_id]
+
+    def _key(self, piece: str) -> int:
+        try:
+            return xxhash.xxh3_128_intdigest(piece.encode("utf-8"), _CACHE_SCOPE.get())
+        except UnicodeEncodeError:
+            raise error("the prompt is not valid Unicode text") from None
+
+    def cached_ids(self, piece: str) -> array[int] | None:
+        """The cached ids of one segment in this cache scope, or None (counted as a hit)."""
+        key = self._key(piece)
+        hit = self.cache.get(key)
+        if hit is not None:
+            with self._cache_lock:
+                if key in self.cache:
+                    self.cache.move_to_end(key)
+                self.hits += 1
+        return hit
+
+    def encode_piece(self, text: str, *, store: bool) -> list[int]:
+        """BPE-encode text with no added token in it (a segment or part of one)."""
+        assert self._backend is not None
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        if store:
+            self.store(text, ids)
+        return ids
+
+    def store(self, piece: str, ids: Sequence[int]) -> None:
+        """Cache ``ids`` as the segment ``piece``'s in this scope (a miss, counted)."""
+        self._put(self._key(piece), list(ids))
+        self.misses += 1
+
+    def encode_cached(self, text: str) -> array[int]:
+        """``encode(text, False)`` on the segment path (cached segments looked up)."""
+        return self._encode_split(text, use_cache=True)
 
     def _put(self, key: int, ids: list[int]) -> None:
         n = len(ids)
