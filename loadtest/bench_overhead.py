@@ -4,7 +4,10 @@
 
 Backends are instant fakes (``loadtest.fake_backend``) in their own process, so only routing
 cost shows. Chat requests carry ~``--prompt-tokens`` tokens of which ``--shared-tokens`` are a
-system prompt common to all requests (``--cold``: nothing repeats). Prints, per target: latency
+system prompt common to all requests (``--cold``: nothing repeats; ``--fresh-user-turn``: the
+system prompt repeats and the user turn is new on every request, the common case; without
+either, 64 distinct bodies repeat). ``--lazy-ab`` also runs the gateway with
+``--no-lazy-tail`` in the same run. Prints, per target: latency
 p50/p99 at concurrency 1 and the added latency over direct; throughput at ``--concurrency``
 and its ratio to direct; the gateway's CPU per request and resident memory.
 """
@@ -71,7 +74,13 @@ def text_of_tokens(n_tokens: int, rng: random.Random) -> str:
 
 
 def make_bodies(
-    n: int, prompt_tokens: int, shared_tokens: int, cold: bool, seed: int, stream: bool
+    n: int,
+    prompt_tokens: int,
+    shared_tokens: int,
+    cold: bool,
+    seed: int,
+    stream: bool,
+    fresh_user: bool = False,
 ) -> list[bytes]:
     rng = random.Random(seed)
     shared = text_of_tokens(shared_tokens, rng)
@@ -79,6 +88,8 @@ def make_bodies(
     for i in range(n):
         system = f"Request {i}. " + text_of_tokens(shared_tokens, rng) if cold else shared
         user = text_of_tokens(max(1, prompt_tokens - shared_tokens), rng)
+        if fresh_user:  # distinct from the first word on: no segment or block repeats
+            user = f"Question {i}: {user}"
         out.append(
             json.dumps(
                 {
@@ -227,14 +238,15 @@ async def run(a: argparse.Namespace) -> int:
         a.seed,
         a.stream,
     )
-    if a.cold:
+    if a.cold or a.fresh_user_turn:
         bodies = make_bodies(
             a.requests + a.throughput_requests + 50,
             a.prompt_tokens,
             a.shared_tokens,
-            True,
+            a.cold,
             a.seed,
             a.stream,
+            fresh_user=a.fresh_user_turn,
         )
     results: list[Result] = []
     memory: list[tuple[int, float, float]] = []
@@ -243,7 +255,7 @@ async def run(a: argparse.Namespace) -> int:
         procs.append(start("backends", cmd, backends))
         for b in backends:
             await wait_ready(b, "/health")
-        shape = "cold" if a.cold else f"{a.shared_tokens} shared"
+        shape = _shape(a)
         print(
             f"{a.backends} instant backends up; {len(bodies)} distinct bodies of "
             f"~{a.prompt_tokens} tokens ({shape})",
@@ -252,14 +264,17 @@ async def run(a: argparse.Namespace) -> int:
         n = (a.requests, a.throughput_requests, a.concurrency)
         results.append(await measure("direct", backends, bodies, *n, None))
 
-        for workers in sorted({1, a.workers}):
-            gw = start_gateway(backends, "--policy", a.policy, "--workers", str(workers))
+        runs = [(w, True) for w in sorted({1, a.workers})] + ([(1, False)] if a.lazy_ab else [])
+        for workers, lazy in runs:
+            extra = () if lazy else ("--no-lazy-tail",)
+            gw = start_gateway(backends, "--policy", a.policy, "--workers", str(workers), *extra)
             procs.append(gw)
             await wait_ready(gw.url, "/ready")
             name = f"prefix-router {a.policy}" + (f" x{workers}" if workers > 1 else "")
+            name += "" if lazy else " no-lazy"
             # With workers, CPU and memory are the parent's only: see the note in the table.
             results.append(await measure(name, [gw.url], bodies, *n, gw if workers == 1 else None))
-            if workers == 1 and a.memory_prefixes:
+            if workers == 1 and lazy and a.memory_prefixes:
                 memory = await memory_phase(gw, a.memory_prefixes, a.concurrency)
             gw.stop()
 
@@ -295,7 +310,7 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
     print(
         f"\nconcurrency 1: {a.requests} requests; concurrency {a.concurrency}: "
         f"{a.throughput_requests} requests; ~{a.prompt_tokens}-token chat prompts "
-        f"({'cold' if a.cold else f'{a.shared_tokens} shared'}), stream={a.stream}"
+        f"({_shape(a)}), stream={a.stream}"
     )
     head = (
         f"{'target':28} {'p50 ms':>8} {'p99 ms':>8} {'+p50':>7} {'+p99':>7} "
@@ -325,6 +340,14 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
         print(f"throughput vs {peer.name}: {ratios}")
 
 
+def _shape(a: argparse.Namespace) -> str:
+    if a.cold:
+        return "cold"
+    if a.fresh_user_turn:
+        return f"{a.shared_tokens} shared, a new user turn every request"
+    return f"{a.shared_tokens} shared"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -336,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--shared-tokens", type=int, default=3000)
     p.add_argument("--cold", action="store_true", help="every prompt distinct (no reuse)")
+    p.add_argument(
+        "--fresh-user-turn",
+        action="store_true",
+        help="the system prompt repeats, the user turn is new on every request",
+    )
+    p.add_argument(
+        "--lazy-ab",
+        action="store_true",
+        help="also run the gateway with --no-lazy-tail (the whole prompt tokenized first)",
+    )
     p.add_argument("--stream", action="store_true", help="streaming requests")
     p.add_argument("--policy", default="ttft")
     p.add_argument(

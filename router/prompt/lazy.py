@@ -42,10 +42,11 @@ _QWEN2 = (
 _LLAMA3 = _QWEN2.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _SAFE_PATTERNS = frozenset({_QWEN2, _LLAMA3})
 
-HEAD_CHARS_PER_BLOCK = 16
-"""The head takes at least this many characters of the first new segment per block of the
-block size (~4 blocks of ~4-character tokens): enough to cover the first block no replica
-holds in the common case, so the rest can wait."""
+HEAD_CHARS_PER_BLOCK = 4
+"""The head reads the first new segment this many characters per token of the block size at
+a time (~a block of English), from exact cut to exact cut, until it has more than a block of
+new tokens: then the block that straddles the cached text and the new one, which no replica
+holds in the common case, is in the head, and so is the first block after it."""
 
 
 def cut_rule(backend: Any) -> str | None:
@@ -128,11 +129,12 @@ class Head:
         return self.rest_chars // 4 + 1
 
 
-def head(seg: SegmentTokenizer, text: str, min_new_chars: int) -> Head | None:
-    """``text``'s ids up to ``min_new_chars`` (or a little more) into its first long segment
-    the cache does not hold, or None when that would be the whole prompt anyway (everything
-    cached, or no exact cut far enough in): tokenize it the ordinary way then. New segments
-    too short to cut (an earlier short answer) are encoded here and cached."""
+def head(seg: SegmentTokenizer, text: str, block_size: int) -> Head | None:
+    """``text``'s ids up to a block and a little more into its first long segment the cache
+    does not hold, or None when that would be the whole prompt anyway (everything cached,
+    or no exact cut in it): tokenize it the ordinary way then. New segments too short to
+    cut (an earlier short answer) are encoded here and cached."""
+    min_new_chars = HEAD_CHARS_PER_BLOCK * block_size
     ids = array("I")
     pos = 0  # where the current piece starts in text
     for p in seg.pieces(text):
@@ -145,18 +147,24 @@ def head(seg: SegmentTokenizer, text: str, min_new_chars: int) -> Head | None:
             ids.extend(hit)
             pos += len(p)
             continue
-        c = find_cut(p, min_new_chars)
-        if c is None:
-            if len(p) > 4 * min_new_chars:
+        # Encode from one exact cut to the next until a block's worth of new tokens.
+        first: list[int] = []
+        c = 0
+        while len(first) <= block_size:
+            nxt = find_cut(p, c + min_new_chars)
+            if nxt is None:
+                break
+            first += seg.encode_piece(p[c:nxt], store=False)
+            c = nxt
+        if c == 0:  # no cut: a short new segment is encoded whole, a long one is not lazy
+            if len(p) > 8 * min_new_chars:
                 return None
             ids.extend(seg.encode_piece(p, store=True))
             pos += len(p)
             continue
         check_text(text[pos:])  # what the full encode would refuse is refused now
-        first = seg.encode_piece(p[:c], store=False)
         ids.extend(first)
         done = array("I", ids)
-
         rest = text[pos + len(p) :]
         finish = functools.partial(_finish, seg, done, p, first, c, rest)
         return Head(done, finish, len(text) - pos - c)

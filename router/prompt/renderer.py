@@ -183,7 +183,7 @@ class Renderer:
             and len(text) <= self.max_prompt_chars
             and self._segments.split_path(norm["add_special_tokens"])
         ):
-            got = lazy.head(self._segments, text, lazy.HEAD_CHARS_PER_BLOCK * block_size)
+            got = lazy.head(self._segments, text, block_size)
             if got is not None and got.ids:
                 return got
         return self._limits.tokenize_text(text, norm["add_special_tokens"], trunc, "messages")
