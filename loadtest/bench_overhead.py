@@ -22,6 +22,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -164,6 +165,65 @@ async def measure(
     return res
 
 
+async def measure_pair(
+    names: tuple[str, str],
+    urls: tuple[str, str],
+    procs: tuple[Proc, Proc],
+    bodies: list[bytes],
+    n_latency: int,
+    n_throughput: int,
+    concurrency: int,
+    rounds: int = 4,
+) -> list[Result]:
+    """Two gateways measured interleaved, so the shared machine's drift hits both alike:
+    at concurrency 1 requests alternate between them; the concurrency phase alternates in
+    ``rounds`` slices each. Every body goes to one of them only (none is cached twice)."""
+    res = [Result(names[0]), Result(names[1])]
+    headers = {"Content-Type": "application/json"}
+    cpu = [0.0, 0.0]
+    busy = [0.0, 0.0]
+    done = [0, 0]
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=2 * concurrency + 4)
+    ) as s:
+        next_body = iter(range(10**9))
+
+        async def one(k: int) -> float:
+            i = next(next_body)
+            t0 = time.perf_counter()
+            url = urls[k] + "/v1/chat/completions"
+            async with s.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    res[k].errors += 1
+            return (time.perf_counter() - t0) * 1000
+
+        for i in range(min(50, n_latency)):
+            await one(i % 2)
+        for i in range(2 * n_latency):
+            res[i % 2].latencies_ms.append(await one(i % 2))
+        per = max(1, n_throughput // rounds)
+        for r in range(2 * rounds):
+            k = r % 2
+            c0 = procs[k].cpu_seconds()
+            counter = iter(range(per))
+            t0 = time.perf_counter()
+
+            async def worker(k: int = k, counter: Any = counter) -> None:
+                for _ in counter:
+                    await one(k)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            busy[k] += time.perf_counter() - t0
+            cpu[k] += procs[k].cpu_seconds() - c0
+            done[k] += per
+    for k in (0, 1):
+        res[k].throughput_rps = done[k] / busy[k]
+        res[k].cpu_ms_per_request = cpu[k] * 1000 / done[k]
+        res[k].rss_mb = procs[k].rss_mb()
+    return res
+
+
 async def memory_phase(gw: Proc, n: int, concurrency: int) -> list[tuple[int, float, float]]:
     """Send ``n`` distinct 256-token token-id prompts; sample RSS and index size on the way."""
     rng = random.Random(1)
@@ -240,7 +300,7 @@ async def run(a: argparse.Namespace) -> int:
     )
     if a.cold or a.fresh_user_turn:
         bodies = make_bodies(
-            a.requests + a.throughput_requests + 50,
+            2 * a.requests + a.throughput_requests + 100,
             a.prompt_tokens,
             a.shared_tokens,
             a.cold,
@@ -264,7 +324,20 @@ async def run(a: argparse.Namespace) -> int:
         n = (a.requests, a.throughput_requests, a.concurrency)
         results.append(await measure("direct", backends, bodies, *n, None))
 
-        runs = [(w, True) for w in sorted({1, a.workers})] + ([(1, False)] if a.lazy_ab else [])
+        if a.lazy_ab:  # the lazy tail on and off, interleaved, in front of the same backends
+            pair = []
+            for extra in ((), ("--no-lazy-tail",)):
+                gw = start_gateway(backends, "--policy", a.policy, *extra)
+                procs.append(gw)
+                await wait_ready(gw.url, "/ready")
+                pair.append(gw)
+            names = (f"prefix-router {a.policy}", f"prefix-router {a.policy} no-lazy")
+            results += await measure_pair(
+                names, (pair[0].url, pair[1].url), (pair[0], pair[1]), bodies, *n
+            )
+            for gw in pair:
+                gw.stop()
+        runs = [] if a.lazy_ab else [(w, True) for w in sorted({1, a.workers})]
         for workers, lazy in runs:
             extra = () if lazy else ("--no-lazy-tail",)
             gw = start_gateway(backends, "--policy", a.policy, "--workers", str(workers), *extra)
@@ -367,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lazy-ab",
         action="store_true",
-        help="also run the gateway with --no-lazy-tail (the whole prompt tokenized first)",
+        help="run the gateway with and without --no-lazy-tail (the whole prompt tokenized "
+        "first), interleaved, instead of the --workers runs",
     )
     p.add_argument("--stream", action="store_true", help="streaming requests")
     p.add_argument("--policy", default="ttft")

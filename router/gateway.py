@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -296,11 +297,13 @@ class Gateway:
         head, ids = (token_ids, token_ids.ids) if isinstance(token_ids, Head) else (None, token_ids)
         hashes = self._hashes(ids, admitted.lora, salt.salt)
         extras: dict[str, Any] = {"raw": raw if body is admitted.client_body else None}
-        if head is not None:  # the rest is tokenized while the request is decided and sent
-            finish = loop.run_in_executor(self.executor, self._finish, head, salt.salt)
+        if head is not None:  # the rest is tokenized once the request is on its way
+            begin = functools.partial(
+                loop.run_in_executor, self.executor, self._finish, head, salt.salt
+            )
             limit = self.config.max_hashed_blocks
             capped = limit is not None and len(hashes) >= limit
-            extras["tail"] = lazy_tail.Tail(finish, len(hashes), capped)
+            extras["tail"] = lazy_tail.Tail(begin, len(hashes), capped)
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
         limits = admitted.chat if admitted.chat is not None else body
         max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
@@ -343,7 +346,7 @@ class Gateway:
         tail = lazy_tail.tail_of(rr)
         if tail is None or tail.full is not None:
             return lazy_tail.latest(rr)
-        ids = await asyncio.shield(tail.ids)
+        ids = await asyncio.shield(tail.ids())
         if tail.full is None:
             head = rr.token_ids
             if ids[: len(head)] != head:  # cannot happen (tests/test_lazy_tail.py): stay safe
@@ -351,6 +354,8 @@ class Gateway:
                 self.lazy_tail = False
             hashes = self._hashes(ids, rr.lora, rr.cache_salt)
             tail.full = dataclasses.replace(rr, token_ids=ids, block_hashes=hashes, tail_tokens=0)
+            for hook in tail.on_full:
+                hook(tail.full)
         return tail.full
 
     def _renderer(self) -> Renderer:
@@ -483,13 +488,11 @@ class Gateway:
 
     def count_prompt(self, rr: RoutedRequest) -> None:
         """The prompt-tokens metric, with the full count (a lazy head's once it is known)."""
-        if lazy_tail.pending(rr):
-            self.spawn(self._count_prompt_later(rr))
+        tail = lazy_tail.tail_of(rr)
+        if tail is not None and tail.full is None:
+            tail.on_full.append(self.count_prompt)
         else:
             self.metrics.prompt_tokens.labels(rr.tenant).inc(lazy_tail.latest(rr).num_tokens)
-
-    async def _count_prompt_later(self, rr: RoutedRequest) -> None:
-        self.count_prompt(await self.complete(rr))
 
     def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
         """Compare the prediction with what the replica reports, and correct the index (a

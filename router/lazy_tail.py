@@ -13,7 +13,7 @@ request once the worker thread has it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,11 +65,21 @@ def policy_allows(policy: Any) -> str | None:
 class Tail:
     """The rest of a lazily prepared prompt, being tokenized in a worker thread."""
 
-    ids: asyncio.Future[Sequence[int]]  # the full prompt's ids
+    begin: Callable[[], asyncio.Future[Sequence[int]]]  # starts tokenizing the rest
     head_blocks: int  # block hashes the head has
     hashes_final: bool  # the head already has every hash there will be (max_hashed_blocks)
     full: RoutedRequest | None = None  # the request with every id and hash, once known
     taken_back: set[str] = field(default_factory=set)  # replicas a placement was forgotten on
+    on_full: list[Callable[[RoutedRequest], None]] = field(default_factory=list)
+    _ids: asyncio.Future[Sequence[int]] | None = None
+
+    def ids(self) -> asyncio.Future[Sequence[int]]:
+        """The full prompt's ids, tokenized in a worker thread from the first call on: the
+        gateway calls it once the request is on its way (or when a decision needs them), so
+        the thread does not contend for the GIL with the request's own critical path."""
+        if self._ids is None:
+            self._ids = self.begin()
+        return self._ids
 
     def decides(self, matches: Mapping[str, int]) -> bool:
         """Whether the head's hashes decide exactly: the longest match among the candidates

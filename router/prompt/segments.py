@@ -207,15 +207,19 @@ class SegmentTokenizer:
                     if key in cache:
                         cache.move_to_end(key)
                 self.hits += len(found)
+        budget = _INLINE_BUDGET.get()
         if missing:
-            budget = _INLINE_BUDGET.get()
             if budget is not None and sum(map(len, missing.values())) > budget:
                 raise NeedsThread
             segs = list(missing.values())
-            # The batch call even for one segment: ``encode`` holds the GIL for the whole
-            # BPE (milliseconds per 1,000 tokens), the batch calls release it, so a worker
-            # thread tokenizing does not stall the event loop.
-            encs = self._backend.encode_batch_fast(segs, add_special_tokens=False)
+            # ``encode`` holds the GIL for the whole BPE, the batch call releases it: in a
+            # worker thread (no inline budget) always batch, so the event loop is not stalled
+            # for milliseconds; inline, one segment is encoded without a GIL hand-off.
+            encs = (
+                [self._backend.encode(segs[0], add_special_tokens=False)]
+                if len(segs) == 1 and budget is not None
+                else self._backend.encode_batch_fast(segs, add_special_tokens=False)
+            )
             for key, enc in zip(missing, encs, strict=True):
                 ids = enc.ids
                 found[key] = ids
@@ -280,10 +284,17 @@ class SegmentTokenizer:
                 self.hits += 1
         return hit
 
-    def encode_piece(self, text: str, *, store: bool) -> list[int]:
-        """BPE-encode text with no added token in it (a segment or part of one)."""
+    def encode_piece(self, text: str, *, store: bool, in_thread: bool = False) -> list[int]:
+        """BPE-encode text with no added token in it (a segment or part of one); releasing
+        the GIL when ``in_thread`` (see ``_encode_split``)."""
         assert self._backend is not None
-        ids: list[int] = self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        backend = self._backend
+        enc = (
+            backend.encode_batch_fast([text], add_special_tokens=False)[0]
+            if in_thread
+            else backend.encode(text, add_special_tokens=False)
+        )
+        ids: list[int] = enc.ids
         if store:
             self.store(text, ids)
         return ids
