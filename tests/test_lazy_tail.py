@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -261,3 +262,55 @@ def test_a_head_is_taken_only_past_enough_new_text(harness: Harness) -> None:
     assert len(rr.token_ids) - (len(harness.ids(short)) - 7) > BLOCK
     assert rr.num_tokens > len(rr.token_ids)
     harness.run(gw.complete(rr))
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def test_over_http_a_new_user_turn_routes_on_its_head_and_is_recorded_whole(
+    fleet: Any, gateway: Any, reference_renderer: Renderer
+) -> None:
+    """Two turns of a conversation through the served gateway: the second turn's new user
+    message is decided on the head, the replica's prefix cache confirms the prediction, and
+    the index and metrics end up with the whole prompt (what the replica computed)."""
+    from tests.helpers import cached_tokens, post, wait_for
+
+    replicas = await fleet(3, block_size=BLOCK)
+    gw = await gateway([r.url for r in replicas], block_size=BLOCK)
+    system = SYSTEMS[0]
+    first = json.loads(body(system, [], "Where is my refund? " * 30, None))
+    second_user = "And what does the warranty cover for a broken screen, please? " * 30
+    async with aiohttp.ClientSession() as s:
+        status, headers, answer = await post(s, gw.url + "/v1/chat/completions", first)
+        assert status == 200
+        holder = headers["x-prefix-router-replica"]
+        reply = answer["choices"][0]["message"]["content"]
+        second = json.loads(
+            body(system, [(first["messages"][1]["content"], reply)], second_user, None)
+        )
+        status, headers, answer = await post(s, gw.url + "/v1/chat/completions", second)
+        assert status == 200
+        assert headers["x-prefix-router-replica"] == holder
+        predicted = int(headers["x-prefix-router-cached-blocks"]) * BLOCK
+        assert predicted > 0 and cached_tokens(answer) >= predicted
+        ids = reference_renderer.tokenize_chat(second)
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        want = block_hashes(ids, BLOCK)
+        index = gw.gateway.index
+
+        async def recorded() -> bool:
+            return set(want) <= index.blocks(holder)
+
+        await wait_for(recorded, what="the whole prompt's blocks in the index")
+        both = len(reference_renderer.tokenize_chat(first)) + len(ids)
+        metrics = ""
+
+        async def counted() -> bool:  # the exact counts, once the tails are tokenized
+            nonlocal metrics
+            async with s.get(gw.url + "/metrics") as r:
+                metrics = await r.text()
+            return _sample(metrics, "prefix_router_prompt_tokens_total") == both
+
+        await wait_for(counted, what="the prompt-tokens metric to count both prompts exactly")
+    assert _sample(metrics, 'prefix_router_lazy_tail_decisions_total{on="head"}') >= 1
