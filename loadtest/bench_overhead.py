@@ -4,7 +4,10 @@
 
 Backends are instant fakes (``loadtest.fake_backend``) in their own process, so only routing
 cost shows. Chat requests carry ~``--prompt-tokens`` tokens of which ``--shared-tokens`` are a
-system prompt common to all requests (``--cold``: nothing repeats). Prints, per target: latency
+system prompt common to all requests (``--cold``: nothing repeats; ``--fresh-user-turn``: the
+system prompt repeats and the user turn is new on every request, the common case; without
+either, 64 distinct bodies repeat). ``--lazy-ab`` also runs the gateway with
+``--no-lazy-tail`` in the same run. Prints, per target: latency
 p50/p99 at concurrency 1 and the added latency over direct; throughput at ``--concurrency``
 and its ratio to direct; the gateway's CPU per request and resident memory.
 """
@@ -19,6 +22,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -71,7 +75,13 @@ def text_of_tokens(n_tokens: int, rng: random.Random) -> str:
 
 
 def make_bodies(
-    n: int, prompt_tokens: int, shared_tokens: int, cold: bool, seed: int, stream: bool
+    n: int,
+    prompt_tokens: int,
+    shared_tokens: int,
+    cold: bool,
+    seed: int,
+    stream: bool,
+    fresh_user: bool = False,
 ) -> list[bytes]:
     rng = random.Random(seed)
     shared = text_of_tokens(shared_tokens, rng)
@@ -79,6 +89,8 @@ def make_bodies(
     for i in range(n):
         system = f"Request {i}. " + text_of_tokens(shared_tokens, rng) if cold else shared
         user = text_of_tokens(max(1, prompt_tokens - shared_tokens), rng)
+        if fresh_user:  # distinct from the first word on: no segment or block repeats
+            user = f"Question {i}: {user}"
         out.append(
             json.dumps(
                 {
@@ -150,6 +162,65 @@ async def measure(
         if proc:
             res.cpu_ms_per_request = (proc.cpu_seconds() - cpu0) * 1000 / n_throughput
             res.rss_mb = proc.rss_mb()
+    return res
+
+
+async def measure_pair(
+    names: tuple[str, str],
+    urls: tuple[str, str],
+    procs: tuple[Proc, Proc],
+    bodies: list[bytes],
+    n_latency: int,
+    n_throughput: int,
+    concurrency: int,
+    rounds: int = 4,
+) -> list[Result]:
+    """Two gateways measured interleaved, so the shared machine's drift hits both alike:
+    at concurrency 1 requests alternate between them; the concurrency phase alternates in
+    ``rounds`` slices each. Every body goes to one of them only (none is cached twice)."""
+    res = [Result(names[0]), Result(names[1])]
+    headers = {"Content-Type": "application/json"}
+    cpu = [0.0, 0.0]
+    busy = [0.0, 0.0]
+    done = [0, 0]
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=2 * concurrency + 4)
+    ) as s:
+        next_body = iter(range(10**9))
+
+        async def one(k: int) -> float:
+            i = next(next_body)
+            t0 = time.perf_counter()
+            url = urls[k] + "/v1/chat/completions"
+            async with s.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    res[k].errors += 1
+            return (time.perf_counter() - t0) * 1000
+
+        for i in range(min(50, n_latency)):
+            await one(i % 2)
+        for i in range(2 * n_latency):
+            res[i % 2].latencies_ms.append(await one(i % 2))
+        per = max(1, n_throughput // rounds)
+        for r in range(2 * rounds):
+            k = r % 2
+            c0 = procs[k].cpu_seconds()
+            counter = iter(range(per))
+            t0 = time.perf_counter()
+
+            async def worker(k: int = k, counter: Any = counter) -> None:
+                for _ in counter:
+                    await one(k)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            busy[k] += time.perf_counter() - t0
+            cpu[k] += procs[k].cpu_seconds() - c0
+            done[k] += per
+    for k in (0, 1):
+        res[k].throughput_rps = done[k] / busy[k]
+        res[k].cpu_ms_per_request = cpu[k] * 1000 / done[k]
+        res[k].rss_mb = procs[k].rss_mb()
     return res
 
 
@@ -227,14 +298,15 @@ async def run(a: argparse.Namespace) -> int:
         a.seed,
         a.stream,
     )
-    if a.cold:
+    if a.cold or a.fresh_user_turn:
         bodies = make_bodies(
-            a.requests + a.throughput_requests + 50,
+            2 * a.requests + a.throughput_requests + 100,
             a.prompt_tokens,
             a.shared_tokens,
-            True,
+            a.cold,
             a.seed,
             a.stream,
+            fresh_user=a.fresh_user_turn,
         )
     results: list[Result] = []
     memory: list[tuple[int, float, float]] = []
@@ -243,7 +315,7 @@ async def run(a: argparse.Namespace) -> int:
         procs.append(start("backends", cmd, backends))
         for b in backends:
             await wait_ready(b, "/health")
-        shape = "cold" if a.cold else f"{a.shared_tokens} shared"
+        shape = _shape(a)
         print(
             f"{a.backends} instant backends up; {len(bodies)} distinct bodies of "
             f"~{a.prompt_tokens} tokens ({shape})",
@@ -252,14 +324,30 @@ async def run(a: argparse.Namespace) -> int:
         n = (a.requests, a.throughput_requests, a.concurrency)
         results.append(await measure("direct", backends, bodies, *n, None))
 
-        for workers in sorted({1, a.workers}):
-            gw = start_gateway(backends, "--policy", a.policy, "--workers", str(workers))
+        if a.lazy_ab:  # the lazy tail on and off, interleaved, in front of the same backends
+            pair = []
+            for extra in ((), ("--no-lazy-tail",)):
+                gw = start_gateway(backends, "--policy", a.policy, *extra)
+                procs.append(gw)
+                await wait_ready(gw.url, "/ready")
+                pair.append(gw)
+            names = (f"prefix-router {a.policy}", f"prefix-router {a.policy} no-lazy")
+            results += await measure_pair(
+                names, (pair[0].url, pair[1].url), (pair[0], pair[1]), bodies, *n
+            )
+            for gw in pair:
+                gw.stop()
+        runs = [] if a.lazy_ab else [(w, True) for w in sorted({1, a.workers})]
+        for workers, lazy in runs:
+            extra = () if lazy else ("--no-lazy-tail",)
+            gw = start_gateway(backends, "--policy", a.policy, "--workers", str(workers), *extra)
             procs.append(gw)
             await wait_ready(gw.url, "/ready")
             name = f"prefix-router {a.policy}" + (f" x{workers}" if workers > 1 else "")
+            name += "" if lazy else " no-lazy"
             # With workers, CPU and memory are the parent's only: see the note in the table.
             results.append(await measure(name, [gw.url], bodies, *n, gw if workers == 1 else None))
-            if workers == 1 and a.memory_prefixes:
+            if workers == 1 and lazy and a.memory_prefixes:
                 memory = await memory_phase(gw, a.memory_prefixes, a.concurrency)
             gw.stop()
 
@@ -295,7 +383,7 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
     print(
         f"\nconcurrency 1: {a.requests} requests; concurrency {a.concurrency}: "
         f"{a.throughput_requests} requests; ~{a.prompt_tokens}-token chat prompts "
-        f"({'cold' if a.cold else f'{a.shared_tokens} shared'}), stream={a.stream}"
+        f"({_shape(a)}), stream={a.stream}"
     )
     head = (
         f"{'target':28} {'p50 ms':>8} {'p99 ms':>8} {'+p50':>7} {'+p99':>7} "
@@ -325,6 +413,14 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
         print(f"throughput vs {peer.name}: {ratios}")
 
 
+def _shape(a: argparse.Namespace) -> str:
+    if a.cold:
+        return "cold"
+    if a.fresh_user_turn:
+        return f"{a.shared_tokens} shared, a new user turn every request"
+    return f"{a.shared_tokens} shared"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -336,6 +432,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--shared-tokens", type=int, default=3000)
     p.add_argument("--cold", action="store_true", help="every prompt distinct (no reuse)")
+    p.add_argument(
+        "--fresh-user-turn",
+        action="store_true",
+        help="the system prompt repeats, the user turn is new on every request",
+    )
+    p.add_argument(
+        "--lazy-ab",
+        action="store_true",
+        help="run the gateway with and without --no-lazy-tail (the whole prompt tokenized "
+        "first), interleaved, instead of the --workers runs",
+    )
     p.add_argument("--stream", action="store_true", help="streaming requests")
     p.add_argument("--policy", default="ttft")
     p.add_argument(

@@ -192,6 +192,11 @@ class Config:
         "gateway processes sharing the port (SO_REUSEPORT); use with "
         "redis_url so they share one prefix map",
     )
+    lazy_tail: bool = _opt(
+        True,
+        "route on a prompt's head and tokenize the rest off the critical path where the "
+        "decision is provably the same (router/lazy_tail.py)",
+    )
     tokenize_threads: int = _opt(2, "threads that tokenize long prompts off the event loop")
     startup_wait_s: float = _opt(
         60.0,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from router import blocks
+from router import blocks, lazy_tail
 from router.api.convert import to_chat
 from router.config import Config
 from router.discovery import DnsDiscovery
@@ -38,6 +40,7 @@ from router.metrics import Metrics
 from router.outlier import OutlierPolicy
 from router.parse import parse_body
 from router.prompt import NeedsThread, Renderer, segments
+from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, from_config
 from router.shared_state import FleetSync
@@ -87,6 +90,12 @@ class Gateway:
         self.policy = from_config(config, self.ring)  # config.schedule + the policy flags
         self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
         self.chain_cache = blocks.ChainCache()
+        # Route on a prompt's head and tokenize the rest off the critical path
+        # (router/lazy_tail.py), where the policy provably decides the same.
+        why_not = lazy_tail.policy_allows(self.policy)
+        self.lazy_tail = config.lazy_tail and why_not is None
+        if config.lazy_tail and why_not is not None:
+            log.info("lazy tail off: %s", why_not)
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.executor = ThreadPoolExecutor(
@@ -257,14 +266,17 @@ class Gateway:
         endpoint: Endpoint,
         request_id: str,
         tenant: str | None = None,
+        lazy: bool = False,
     ) -> RoutedRequest:
         """Identify the tenant, parse, apply the salt policy, tokenize and hash. Needs no
         replica: ``prefix-router explain`` runs it offline. ``tenant``: already identified
-        (from the headers, before the body was read)."""
+        (from the headers, before the body was read). ``lazy``: a live request may come back
+        as a head whose tail is still being tokenized (router/lazy_tail.py)."""
         if tenant is None:
             tenant = self.tenancy.identify(headers)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
+        token_ids: Sequence[int] | Head
         if len(raw) > LARGE_BODY_BYTES:
             # Parsing, normalising and rendering a big body is pure Python: in a thread the
             # interpreter hands the event loop the GIL every few ms, so /health and other
@@ -278,17 +290,23 @@ class Gateway:
                 # Cached segments cost microseconds: tokenize in place, and hand a prompt with
                 # a lot of new text to a thread (the Rust tokenizer releases the GIL there).
                 with self._renderer().inline(INLINE_UNCACHED_CHARS):
-                    token_ids = self._tokenize(admitted)
+                    if lazy and self.lazy_tail:
+                        token_ids = self._tokenize_lazy(admitted)
+                    else:
+                        token_ids = self._tokenize(admitted)
             except NeedsThread:
                 token_ids = await loop.run_in_executor(self.executor, self._tokenize, admitted)
         body, salt = admitted.body, admitted.salt
-        hashes = self.chain_cache.block_hashes(
-            token_ids,
-            self.block_size,
-            cache_salt=salt.salt,
-            lora=admitted.lora,
-            max_blocks=self.config.max_hashed_blocks,
-        )
+        head, ids = (token_ids, token_ids.ids) if isinstance(token_ids, Head) else (None, token_ids)
+        hashes = self._hashes(ids, admitted.lora, salt.salt)
+        extras: dict[str, Any] = {"raw": raw if body is admitted.client_body else None}
+        if head is not None:  # the rest is tokenized once the request is on its way
+            begin = functools.partial(
+                loop.run_in_executor, self.executor, self._finish, head, salt.salt
+            )
+            limit = self.config.max_hashed_blocks
+            capped = limit is not None and len(hashes) >= limit
+            extras["tail"] = lazy_tail.Tail(begin, len(hashes), capped)
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
         limits = admitted.chat if admitted.chat is not None else body
         max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
@@ -300,7 +318,7 @@ class Gateway:
             tenant=tenant,
             body=body,
             stream=bool(body.get("stream", False)),
-            token_ids=token_ids,
+            token_ids=ids,
             block_size=self.block_size,
             block_hashes=hashes,
             cache_salt=salt.salt,
@@ -308,9 +326,40 @@ class Gateway:
             salt_policy=salt.policy,
             app_label=app_label[:64] if app_label else None,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-            # Unchanged bodies are forwarded as the client's own bytes.
-            extras={"raw": raw if body is admitted.client_body else None},
+            tail_tokens=head.estimated_tokens() if head is not None else 0,
+            extras=extras,  # "raw": unchanged bodies are forwarded as the client's own bytes
         )
+
+    def _hashes(self, token_ids: Sequence[int], lora: str | None, salt: str | None) -> list[int]:
+        return self.chain_cache.block_hashes(
+            token_ids,
+            self.block_size,
+            cache_salt=salt,
+            lora=lora,
+            max_blocks=self.config.max_hashed_blocks,
+        )
+
+    def _finish(self, head: Head, salt: str | None) -> Sequence[int]:
+        """A head's full ids, in a worker thread (the segment cache scoped as in prepare)."""
+        with self._renderer().cache_scope(salt):
+            return head.finish()
+
+    async def complete(self, rr: RoutedRequest) -> RoutedRequest:
+        """``rr`` with every id and block hash: waits for a lazy head's tail."""
+        tail = lazy_tail.tail_of(rr)
+        if tail is None or tail.full is not None:
+            return lazy_tail.latest(rr)
+        ids = await asyncio.shield(tail.ids())
+        if tail.full is None:
+            head = rr.token_ids
+            if ids[: len(head)] != head:  # cannot happen (tests/test_lazy_tail.py): stay safe
+                log.error("lazy tail: a head was not a prefix of its prompt; lazy tail off")
+                self.lazy_tail = False
+            hashes = self._hashes(ids, rr.lora, rr.cache_salt)
+            tail.full = dataclasses.replace(rr, token_ids=ids, block_hashes=hashes, tail_tokens=0)
+            for hook in tail.on_full:
+                hook(tail.full)
+        return tail.full
 
     def _renderer(self) -> Renderer:
         assert self.renderer is not None
@@ -345,6 +394,14 @@ class Gateway:
             if endpoint == "chat":
                 chat = body
         return _Admitted(endpoint, body, client_body, model, lora, salt, chat)
+
+    def _tokenize_lazy(self, admitted: _Admitted) -> Sequence[int] | Head:
+        """``_tokenize``, or for a chat prompt with new text a head (router/lazy_tail.py)."""
+        if admitted.chat is None:
+            return self._tokenize(admitted)
+        renderer = self._renderer()
+        with renderer.cache_scope(admitted.salt.salt):
+            return renderer.chat_head(admitted.chat, self.block_size)
 
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
         renderer = self._renderer()
@@ -398,7 +455,16 @@ class Gateway:
         if pinned := rr.extras.get("pinned_replica"):  # holds the state the request names
             replicas = [r for r in replicas if r.url == pinned] or replicas
         urls = [r.url for r in replicas]
+        rr = lazy_tail.latest(rr)
         matches = await self.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
+        tail = lazy_tail.tail_of(rr)
+        if tail is not None and tail.full is None:
+            on_head = tail.decides(matches)
+            self.metrics.lazy_tail.labels("head" if on_head else "full").inc()
+            if not on_head:  # a match reaches the head's end: wait for the rest (exact)
+                rr = await self.complete(rr)
+                if self.policy.uses_index:
+                    matches = await self.index.match(rr.block_hashes, urls)
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         return decision
@@ -406,6 +472,9 @@ class Gateway:
     async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
         """The replica failed before computing the blocks recorded for it: take back what
         was new to it."""
+        rr = await self.complete(rr)  # a retry: rare, and the tail must not re-record
+        if (tail := lazy_tail.tail_of(rr)) is not None:
+            tail.taken_back.add(decision.replica)
         unsent = rr.block_hashes[decision.matched_blocks :]
         if self.fleet_mode is None:
             await self.index.forget(decision.replica, unsent)
@@ -414,15 +483,44 @@ class Gateway:
 
     async def record_placement(self, rr: RoutedRequest, decision: Decision) -> None:
         """The chosen replica will hold the prompt's blocks. Runs while the request is on
-        its way (``UpstreamPool.post``), and before anything else runs on this loop."""
+        its way (``UpstreamPool.post``), and before anything else runs on this loop. A lazy
+        head's blocks are recorded now, the full prompt's once its tail is tokenized."""
+        rr = lazy_tail.latest(rr)
+        if lazy_tail.pending(rr):
+            self.spawn(self._record_tail(rr, decision))
         if self.fleet_mode is None:
             await self.index.record(decision.replica, rr.block_hashes)
         else:  # a Redis write stays off the request's critical path
             self.spawn(self.index.record(decision.replica, rr.block_hashes))
         self.metrics.child(self.metrics.decisions, decision.policy, decision.reason).inc()
 
+    async def _record_tail(self, rr: RoutedRequest, decision: Decision) -> None:
+        full = await self.complete(rr)
+        tail = lazy_tail.tail_of(rr)
+        if tail is None or decision.replica not in tail.taken_back:
+            await self.index.record(decision.replica, full.block_hashes)
+
+    def count_prompt(self, rr: RoutedRequest) -> None:
+        """The prompt-tokens metric, with the full count (a lazy head's once it is known)."""
+        tail = lazy_tail.tail_of(rr)
+        if tail is not None and tail.full is None:
+            tail.on_full.append(self.count_prompt)
+        else:
+            tokens = lazy_tail.latest(rr).num_tokens
+            self.metrics.child(self.metrics.prompt_tokens, rr.tenant).inc(tokens)
+
     def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
-        """Compare the prediction with what the replica reports, and correct the index."""
+        """Compare the prediction with what the replica reports, and correct the index (a
+        lazy head's once its tail is tokenized: observers see the whole prompt)."""
+        if lazy_tail.pending(rr):
+            self.spawn(self._learn_later(rr, decision, outcome))
+        else:
+            self._learn(lazy_tail.latest(rr), decision, outcome)
+
+    async def _learn_later(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        self._learn(await self.complete(rr), decision, outcome)
+
+    def _learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
         outcome_label = (
             "ok"
             if outcome.status < 400 and outcome.complete

@@ -23,6 +23,7 @@ from router.errors import APIError
 from router.fleet import Replica
 from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable, proxy, request_headers
 from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
+from router.lazy_tail import tail_of
 from router.limits import check_body
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
@@ -108,7 +109,9 @@ class Handlers:
         tenant = self.gw.tenancy.identify(request.headers)  # before reading a byte of the body
         raw = await self.read_body(request)
         try:
-            rr = await self.gw.prepare(raw, request.headers, endpoint, request_id, tenant)
+            rr = await self.gw.prepare(
+                raw, request.headers, endpoint, request_id, tenant, lazy=True
+            )
             return await self.route_prepared(request, rr)
         finally:
             if len(raw) > LARGE_BODY_BYTES:
@@ -132,7 +135,7 @@ class Handlers:
         )
         metrics = self.gw.metrics
         metrics.child(metrics.tenant_requests, rr.tenant).inc()
-        metrics.child(metrics.prompt_tokens, rr.tenant).inc(rr.num_tokens)
+        self.gw.count_prompt(rr)
         tried: set[str] = set()
         while True:
             decision = await self.gw.decide(rr, frozenset(tried))
@@ -203,6 +206,17 @@ class Handlers:
                 pending = False
                 replica.pending_requests -= 1
                 replica.pending_prefill_tokens -= uncached
+
+        def exact_count(full: RoutedRequest) -> None:
+            """A lazy head counted its tail's estimate: the exact count, once known."""
+            nonlocal uncached
+            if pending:
+                exact = max(0, full.num_tokens - decision.matched_blocks * full.block_size)
+                replica.pending_prefill_tokens += exact - uncached
+                uncached = exact
+
+        if (tail := tail_of(rr)) is not None and tail.full is None:
+            tail.on_full.append(exact_count)
 
         assert self.gw.fleet is not None
         tokens, n = rr.max_tokens, rr.body.get("n")

@@ -94,6 +94,13 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.lazy_tail = Counter(
+            "prefix_router_lazy_tail_decisions",
+            "Decisions on a prompt's head with its tail tokenized after (on=head), or that "
+            "had to wait for the whole prompt because a match reached the head's end (on=full)",
+            ["on"],
+            registry=r,
+        )
         self.retries = Counter(
             "prefix_router_retries",
             "Requests retried on another replica before the first byte",

@@ -33,7 +33,10 @@ class RoutedRequest:
     app_label: str | None = None
     max_tokens: int | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    # Prompt tokens not in token_ids yet: a lazy head's estimate of its untokenized rest
+    # (router/lazy_tail.py); 0 once the prompt is fully tokenized.
+    tail_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.tail_tokens

@@ -66,7 +66,7 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         request_id = request[REQUEST_ID]
         tenant = gateway.tenancy.identify(request.headers)
         raw = await routes.read_body(request)
-        rr = await gateway.prepare(raw, request.headers, "responses", request_id, tenant)
+        rr = await gateway.prepare(raw, request.headers, "responses", request_id, tenant, lazy=True)
         previous = rr.body.get("previous_response_id")
         if isinstance(previous, str):
             replica = await ids.lookup(previous)

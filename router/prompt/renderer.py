@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from router.prompt import segments
+from router.prompt import lazy, segments
 from router.prompt.completion import CompletionPrompts, reused_prompt_token_ids
 from router.prompt.fields import TokenIds, as_list, plain, text_size
 from router.prompt.jinja import ContentFormat
@@ -91,6 +91,7 @@ class Renderer:
             max_model_len=max_model_len,
             truncation_side=truncation_side,
         )
+        self._lazy_reason: str | None = None  # why lazy heads are off ("" = on); on first use
         self._completions = CompletionPrompts(
             self._limits,
             vocab_size=int(vocab_size) if vocab_size is not None else len(tokenizer),
@@ -162,6 +163,38 @@ class Renderer:
         return self._limits.tokenize_text(
             text, norm["add_special_tokens"], Truncation(body, chat=True), "messages"
         )
+
+    def chat_head(self, body: dict[str, Any], block_size: int) -> TokenIds | lazy.Head:
+        """``chat_ids(body)``, or when that would BPE-encode new text and can be done in two
+        steps exactly, a ``lazy.Head``: the ids up to a few blocks into the first new
+        segment now, the rest from ``Head.finish()``. Same checks and errors as ``chat_ids``.
+        Not lazy where the whole count matters before routing: truncation, a context length
+        to enforce, token ids given in the request, or a tokenizer ``lazy`` cannot cut."""
+        norm = self.normalize_chat(body)
+        reused = reused_prompt_token_ids(body, self.vocab_size)
+        if reused is not None:
+            return reused
+        text = self._render(norm)
+        trunc = Truncation(body, chat=True)
+        if (
+            self._lazy_ok()
+            and trunc.tokens is None
+            and self.max_model_len is None
+            and len(text) <= self.max_prompt_chars
+            and self._segments.split_path(norm["add_special_tokens"])
+        ):
+            got = lazy.head(self._segments, text, block_size)
+            if got is not None and got.ids:
+                return got
+        return self._limits.tokenize_text(text, norm["add_special_tokens"], trunc, "messages")
+
+    def _lazy_ok(self) -> bool:
+        if self._lazy_reason is None:
+            backend = self._segments.backend
+            self._lazy_reason = "" if backend is None else (lazy.cut_rule(backend) or "")
+            if backend is None:
+                self._lazy_reason = "not a fast tokenizer"
+        return self._lazy_reason == ""
 
     async def tokenize_chat_async(
         self, body: dict[str, Any], *, inline_below_chars: int = 16384

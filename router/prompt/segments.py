@@ -172,6 +172,7 @@ class SegmentTokenizer:
         self.hits = 0
         self.misses = 0
         self._added: dict[str, int] = {}
+        self._added_text: dict[int, str] = {}
         self._split_re: re.Pattern[str] | None = None
         self._special_adds_nothing = False
         self._chunkable = False  # new text can be cut at _SAFE_CUT (see _chunk_safe)
@@ -209,6 +210,7 @@ class SegmentTokenizer:
             if not tok.content:
                 return "empty added token"
             self._added[tok.content] = tid
+            self._added_text[tid] = tok.content
         if getattr(self.tokenizer, "split_special_tokens", False):
             return "split_special_tokens is set"
         spec: dict[str, Any] = {}
@@ -290,16 +292,7 @@ class SegmentTokenizer:
 
     def _encode_split(self, text: str, *, use_cache: bool) -> array[int]:
         assert self._split_re is not None and self._backend is not None
-        added = self._added
-        pieces: list[str | int] = []  # segment text, or an added token's id
-        pos = 0
-        for m in self._split_re.finditer(text):
-            if m.start() > pos:
-                pieces.append(text[pos : m.start()])
-            pieces.append(added[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            pieces.append(text[pos:])
+        pieces = self.pieces(text)
         keys: list[int] = []
         found: dict[int, Sequence[int]] = {}
         missing: dict[int, str] = {}
@@ -326,11 +319,11 @@ class SegmentTokenizer:
                     if key in cache:
                         cache.move_to_end(key)
                 self.hits += len(found)
+        budget = _INLINE_BUDGET.get()
         if missing:
             state = _BUDGET.get()
             if state is not None:  # this prompt's tokens so far: its cached segments
                 state.tokens = sum(len(found[k]) for k in keys if k in found)
-            budget = _INLINE_BUDGET.get()
             if budget is not None and sum(map(len, missing.values())) > budget:
                 raise NeedsThread
             assert self._encode_plain is not None
@@ -408,6 +401,72 @@ class SegmentTokenizer:
             raise over_context(state.max_tokens, state.tokens + tokens)
         if time.thread_time() > state.deadline:
             raise over_budget(state.cpu_s, chars)
+
+    def pieces(self, text: str) -> list[str | int]:
+        """``text`` cut at the added tokens: segment text, or an added token's id (in order;
+        their ids concatenated are the text's ids)."""
+        assert self._split_re is not None
+        added = self._added
+        pieces: list[str | int] = []
+        pos = 0
+        for m in self._split_re.finditer(text):
+            if m.start() > pos:
+                pieces.append(text[pos : m.start()])
+            pieces.append(added[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            pieces.append(text[pos:])
+        return pieces
+
+    # -- one segment at a time, for the lazy tail (router/prompt/lazy.py) -------------------
+    @property
+    def backend(self) -> Any:
+        """The Rust ``tokenizers.Tokenizer``, or None for a slow tokenizer."""
+        return self._backend
+
+    def split_path(self, add_special_tokens: bool) -> bool:
+        """Whether ``encode`` takes the segment path for this flag (else the whole text)."""
+        return self.enabled and (not add_special_tokens or self._special_adds_nothing)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of an added token (one ``pieces`` returned as its id)."""
+        return self._added_text[token_id]
+
+    def _key(self, piece: str) -> int:
+        try:
+            return xxhash.xxh3_128_intdigest(piece.encode("utf-8"), _CACHE_SCOPE.get())
+        except UnicodeEncodeError:
+            raise error("the prompt is not valid Unicode text") from None
+
+    def cached_ids(self, piece: str) -> array[int] | None:
+        """The cached ids of one segment in this cache scope, or None (counted as a hit)."""
+        key = self._key(piece)
+        hit = self.cache.get(key)
+        if hit is not None:
+            with self._cache_lock:
+                if key in self.cache:
+                    self.cache.move_to_end(key)
+                self.hits += 1
+        return hit
+
+    def encode_piece(self, text: str, *, store: bool, in_thread: bool = False) -> list[int]:
+        """BPE-encode text with no added token in it (a segment or part of one), with the
+        one encode hook (the reference's batch call releases the GIL, so ``in_thread`` needs
+        nothing more)."""
+        assert self._encode_plain is not None
+        ids = list(self._encode_plain([text])[0])
+        if store:
+            self.store(text, ids)
+        return ids
+
+    def store(self, piece: str, ids: Sequence[int]) -> None:
+        """Cache ``ids`` as the segment ``piece``'s in this scope (a miss, counted)."""
+        self._put(self._key(piece), list(ids))
+        self.misses += 1
+
+    def encode_cached(self, text: str) -> array[int]:
+        """``encode(text, False)`` on the segment path (cached segments looked up)."""
+        return self._encode_split(text, use_cache=True)
 
     def _put(self, key: int, ids: Sequence[int]) -> None:
         n = len(ids)

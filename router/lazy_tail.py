@@ -1,0 +1,107 @@
+"""The gateway's side of the lazy tail (router/prompt/lazy.py): route on a prompt's head,
+finish tokenizing it off the request's critical path.
+
+A request prepared lazily carries the head's ids and block hashes, ``tail_tokens`` (an
+estimate of the rest's count) and a ``Tail`` in ``extras["tail"]``. ``decide`` uses the head
+only when the index shows a block of it that no candidate holds (``Tail.decides``): chained
+hashes mean none holds anything after it either, so the full hashes would match exactly the
+same counts. Otherwise it waits for the full ids (exact, just not lazy). Everything after the
+decision that keeps state (the index record, learning, diagnostics, metrics) uses the full
+request once the worker thread has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.request import RoutedRequest
+
+# Scorers whose terms are integers (token and request counts), so that with integral
+# weights every cost is an exactly represented integer and adding the same number to every
+# candidate's ``uncached_prefill`` (the estimate of the untokenized rest) changes no
+# comparison. Filters and pickers here never read the prompt length.
+_INTEGER_SCORERS = frozenset({"uncached_prefill", "queued_tokens", "inflight"})
+_LENGTH_BLIND_FILTERS = frozenset({"load_bound", "recent_share"})
+_LENGTH_BLIND_PICKERS = frozenset(
+    {
+        "random_min",
+        "random_pick",
+        "ring_min_cost",
+        "ring_owner",
+        "ring_spill",
+        "round_robin",
+        "sticky_prefix",
+    }
+)
+
+
+def policy_allows(policy: Any) -> str | None:
+    """None if ``policy`` decides the same with any prompt length at least the head's and
+    the same matched blocks (the proof above), else why it may not."""
+    scorers = getattr(policy, "scorers", None)
+    if scorers is None:
+        return "not a pipeline policy"
+    for scorer, weight in scorers:
+        if weight == 0:
+            continue  # 0.0 x a finite score is exactly 0.0
+        if scorer.name not in _INTEGER_SCORERS or not float(weight).is_integer():
+            return f"scorer {scorer.name} (weight {weight}) is not integer-valued"
+    for f in policy.filters:
+        if f.name not in _LENGTH_BLIND_FILTERS:
+            return f"filter {f.name} is not known to ignore the prompt length"
+    picker = policy.picker
+    if picker.name not in _LENGTH_BLIND_PICKERS:
+        return f"picker {picker.name} is not known to ignore the prompt length"
+    cap = getattr(picker, "cap", 0)
+    if not float(cap).is_integer():
+        return f"picker {picker.name}'s cap {cap} is not an integer"
+    return None
+
+
+@dataclass(eq=False)
+class Tail:
+    """The rest of a lazily prepared prompt, being tokenized in a worker thread."""
+
+    begin: Callable[[], asyncio.Future[Sequence[int]]]  # starts tokenizing the rest
+    head_blocks: int  # block hashes the head has
+    hashes_final: bool  # the head already has every hash there will be (max_hashed_blocks)
+    full: RoutedRequest | None = None  # the request with every id and hash, once known
+    taken_back: set[str] = field(default_factory=set)  # replicas a placement was forgotten on
+    on_full: list[Callable[[RoutedRequest], None]] = field(default_factory=list)
+    _ids: asyncio.Future[Sequence[int]] | None = None
+
+    def ids(self) -> asyncio.Future[Sequence[int]]:
+        """The full prompt's ids, tokenized in a worker thread from the first call on: the
+        gateway calls it once the request is on its way (or when a decision needs them), so
+        the thread does not contend for the GIL with the request's own critical path."""
+        if self._ids is None:
+            self._ids = self.begin()
+        return self._ids
+
+    def decides(self, matches: Mapping[str, int]) -> bool:
+        """Whether the head's hashes decide exactly: the longest match among the candidates
+        stops short of the head's last block (so the first block past it is one nobody
+        holds), or the head has every hash already."""
+        if self.hashes_final:
+            return True
+        return self.head_blocks > 0 and max(matches.values(), default=0) < self.head_blocks
+
+
+def tail_of(rr: RoutedRequest) -> Tail | None:
+    tail = rr.extras.get("tail")
+    return tail if isinstance(tail, Tail) else None
+
+
+def latest(rr: RoutedRequest) -> RoutedRequest:
+    """The full request if its tail is done, else ``rr`` as it is."""
+    tail = tail_of(rr)
+    return tail.full if tail is not None and tail.full is not None else rr
+
+
+def pending(rr: RoutedRequest) -> bool:
+    """Whether ``rr`` is a head whose full ids are not in yet."""
+    tail = tail_of(rr)
+    return tail is not None and tail.full is None
