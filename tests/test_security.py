@@ -14,10 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 
+from router.bundled import tokenizer_dir
 from router.config import dump_yaml, load_config
+from router.prompt import Renderer
+from router.prompt.fast_encode import ENV as FAST_TOKENIZER_ENV
 from tests.helpers import chat_body, post, wait_for
+
+
+@pytest.fixture(scope="session")  # as conftest's, which it overrides in this module
+def renderer() -> Renderer:
+    """The gateway's renderer with the reference BPE: the timing tests below need a miss
+    that costs what Hugging Face's encode costs (an optional faster encoder, when
+    installed, narrows the gap they measure; the scoping they test is the same)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAST_TOKENIZER_ENV, "0")
+        return Renderer.from_pretrained(str(tokenizer_dir()))
+
 
 KEYS = {"acme": "sk-acme-1f2e3d4c5b6a79880716", "globex": "sk-globex-9a8b7c6d5e4f3a2b1c0d"}
 SECRET = "salt-secret-0a1b2c3d4e5f60718293"
