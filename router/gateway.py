@@ -405,7 +405,7 @@ class Gateway:
             await self.index.record(decision.replica, rr.block_hashes)
         else:  # a Redis write stays off the request's critical path
             self.spawn(self.index.record(decision.replica, rr.block_hashes))
-        self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+        self.metrics.placed(decision)
 
     def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
         """Compare the prediction with what the replica reports, and correct the index."""

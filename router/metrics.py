@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from router.schedule import Decision
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -138,6 +143,39 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+        # Spills: a fixed set of causes (the pickers' labels and the filter names), so the
+        # label cardinality is bounded; the replica set is a histogram, not a gauge per prefix.
+        self.spills = Counter(
+            "prefix_router_spills",
+            "Requests placed away from the longest prefix holder, by policy and cause",
+            ["policy", "cause"],
+            registry=r,
+        )
+        self.spill_evictions = Counter(
+            "prefix_router_spill_evicted_blocks_estimated",
+            "Blocks spills copied to their replica (estimated evictions: once a cache has "
+            "filled, each block written evicts one cached block)",
+            ["policy"],
+            registry=r,
+        )
+        self.prefix_holders = Histogram(
+            "prefix_router_prefix_replicas",
+            "Replicas holding a routed prompt's first block (its prefix's replica set), per "
+            "request that reuses one",
+            ["policy"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+
+    def placed(self, d: Decision) -> None:
+        """A decision was acted on: its reason, and for a spill its cause and copy."""
+        self.decisions.labels(d.policy, d.reason).inc()
+        if d.holders:
+            self.prefix_holders.labels(d.policy).observe(d.holders)
+        if d.cause is not None:
+            self.spills.labels(d.policy, d.cause).inc()
+            self.spill_evictions.labels(d.policy).inc(d.copied_blocks)
 
     @property
     def redis_up(self) -> Gauge:
