@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, pooled (default 3)")
+    ap.add_argument("--seeds", type=int, default=3, help="N seeds, pooled (default 3)")
+    ap.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     ap.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
@@ -130,6 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="replica time one output token takes, in prefill tokens (decode load)",
     )
     ap.add_argument("--tpot", type=float, default=0.02, help="seconds per output token")
+    ap.add_argument(
+        "--gateways", type=int, default=1, help="gateways sharing the index (fleet mode), 1"
+    )
+    ap.add_argument(
+        "--sync-interval", type=float, default=0.5, help="their load sync interval, s (0.5)"
+    )
     ap.add_argument("--tenants", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=480)
     ap.add_argument("--rate", type=float, default=4.0, help="conversations/s")
@@ -148,13 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_tps=a.prefill_tps,
         tpot_s=a.tpot,
         decode_cost_tokens=a.decode_cost,
+        gateways=a.gateways,
+        sync_interval_s=a.sync_interval,
     )
     t0 = time.process_time()
-    rows = run(policies, range(a.seeds), wp, fp)
+    rows = run(policies, range(a.first_seed, a.first_seed + a.seeds), wp, fp)
     print(
         f"pressure: {a.replicas} replicas x {a.blocks} blocks x 16 tokens, prefill "
         f"{a.prefill_tps:g} tok/s (decode {a.decode_cost:g} tok-eq/token), {a.tenants} tenants Zipf {a.skew}, {a.conversations} "
-        f"4-turn conversations at {a.rate}/s; seeds 0..{a.seeds - 1} pooled"
+        f"4-turn conversations at {a.rate}/s; {a.gateways} gateway(s); "
+        f"seeds {a.first_seed}..{a.first_seed + a.seeds - 1} pooled"
     )
     print(table(rows))
     print(f"({time.process_time() - t0:.1f} s CPU)")

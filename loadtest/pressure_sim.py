@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from router.blocks import block_hashes, cacheable_blocks
 from router.index.memory import MemoryIndex
 from router.request import RoutedRequest
 from router.schedule import Candidate, Decision, HashRing, Pipeline, build_named
+from router.schedule.observed import ObservedTTFT
 from router.schedule.recent import RecentCounts
 
 T = TypeVar("T")
@@ -58,6 +60,8 @@ class FleetParams:
     prefill_tps: float = 1500.0
     tpot_s: float = 0.02
     decode_cost_tokens: float = 4.0  # replica time an output token takes, in prefill tokens
+    gateways: int = 1  # gateways sharing the index, each request to one at random
+    sync_interval_s: float = 0.5  # how often the gateways exchange their load (fleet mode)
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Req:
     t_end: float = 0.0
     refs: list[int] = field(default_factory=list)  # cached hashes it pins
     private: int = 0  # blocks it holds that carry no hash
+    gateway: int = 0  # the gateway that placed it
 
 
 class Pool:
@@ -162,19 +167,28 @@ class SimReplica:
         self.running = 0
         self.debt = 0.0  # decode work not yet absorbed, in prefill tokens
         self.idle_since = 0.0
-        # the gateway's view
-        self.inflight = 0
-        self.pending_prefill_tokens = 0
+        # the gateways' view: each gateway's own counts, and what the last sync published
+        self.inflight = [0] * fp.gateways
+        self.pending_prefill_tokens = [0] * fp.gateways
+        self.synced = [(0, 0)] * fp.gateways
+        self.observed: list[ObservedTTFT] = []  # per gateway; the Sim sets their clock
         self.placed = 0
         self.hits = 0
         self.queries = 0
 
-    def candidate(self, matched_blocks: int) -> Candidate:
+    def sync(self) -> None:
+        self.synced = list(zip(self.inflight, self.pending_prefill_tokens, strict=True))
+
+    def candidate(self, matched_blocks: int, gw: int = 0) -> Candidate:
+        """As gateway ``gw`` sees the replica: its own counts live, the others' as of the
+        last sync (fleet mode's load sync)."""
+        others = [v for g, v in enumerate(self.synced) if g != gw]
         return Candidate(
             url=self.url,
             matched_blocks=matched_blocks,
-            inflight=self.inflight,
-            pending_prefill_tokens=self.pending_prefill_tokens,
+            inflight=self.inflight[gw] + sum(i for i, _ in others),
+            pending_prefill_tokens=self.pending_prefill_tokens[gw] + sum(p for _, p in others),
+            ttft_s=self.observed[gw].get(),
             waiting=len(self.queue),
             running=self.running,
             kv_usage=self.pool.used() / self.fp.num_blocks,
@@ -207,9 +221,20 @@ class Sim:
         self.urls = [f"http://sim-{i}:8000" for i in range(fp.replicas)]
         self.replicas = {u: SimReplica(u, fp) for u in self.urls}
         if isinstance(policy, str):
-            policy = build_named(policy, HashRing(self.urls))
+            name = policy
+            policy = build_named(name, HashRing(self.urls))
+            others = [build_named(name, HashRing(self.urls)) for _ in range(fp.gateways - 1)]
+        elif fp.gateways > 1:
+            raise ValueError("several gateways need a policy name (one pipeline each)")
+        else:
+            others = []
         self.policy = policy
-        self.policy.recent = RecentCounts(clock=lambda: self.now)
+        self.gateways = [policy, *others]  # one pipeline each: their own decayed history
+        for p in self.gateways:
+            p.recent = RecentCounts(clock=lambda: self.now)
+        for rep in self.replicas.values():
+            rep.observed = [ObservedTTFT(clock=lambda: self.now) for _ in self.gateways]
+        self.spread = random.Random(f"gateways-{fp.gateways}")
         self.index = MemoryIndex(fp.num_blocks)
         for u in self.urls:
             run_sync(self.index.set_capacity(u, fp.num_blocks))
@@ -225,12 +250,20 @@ class Sim:
     def run(self) -> RunResult:
         for ci, c in enumerate(self.convs):
             self.at(c.start_s, "send", (ci, 0))
+        if self.fp.gateways > 1:
+            self.at(self.fp.sync_interval_s, "tick", None)
         while self.events:
             self.now, _, kind, obj = heapq.heappop(self.events)
             getattr(self, "_" + kind)(obj)
         return self._result()
 
     # -- events ------------------------------------------------------------------------------
+    def _tick(self, _: None) -> None:
+        for rep in self.replicas.values():
+            rep.sync()
+        if self.events:  # anything left but the ticks
+            self.at(self.now + self.fp.sync_interval_s, "tick", None)
+
     def _send(self, key: tuple[int, int]) -> None:
         ci, k = key
         turn = self.convs[ci].turns[k]
@@ -247,20 +280,22 @@ class Sim:
             block_size=bs,
             block_hashes=r.hashes,
         )
+        r.gateway = g = self.spread.randrange(len(self.gateways)) if len(self.gateways) > 1 else 0
+        policy = self.gateways[g]
         matched = (
             run_sync(self.index.match(r.hashes, self.urls))
-            if self.policy.uses_index
+            if policy.uses_index
             else dict.fromkeys(self.urls, 0)
         )
-        cands = [self.replicas[u].candidate(matched[u]) for u in self.urls]
-        d = self.policy.choose(rr, cands)
-        self.policy.placed(d)
+        cands = [self.replicas[u].candidate(matched[u], g) for u in self.urls]
+        d = policy.choose(rr, cands)
+        policy.placed(d)
         run_sync(self.index.record(d.replica, r.hashes))
         rep = self.replicas[d.replica]
         r.replica, r.decision = d.replica, d
         r.uncached_predicted = max(0, len(r.prompt) - d.matched_blocks * bs)
-        rep.inflight += 1
-        rep.pending_prefill_tokens += r.uncached_predicted
+        rep.inflight[g] += 1
+        rep.pending_prefill_tokens[g] += r.uncached_predicted
         rep.placed += 1
         self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
         rep.queue.append(r)
@@ -284,10 +319,11 @@ class Sim:
     def _first(self, r: Req) -> None:
         rep = self.replicas[r.replica]
         r.t_first = self.now
+        rep.observed[r.gateway].observe(r.t_first - r.t_send)
         rep.busy_until = None
         rep.idle_since = self.now
         rep.debt += len(r.output) * self.fp.decode_cost_tokens
-        rep.pending_prefill_tokens -= r.uncached_predicted
+        rep.pending_prefill_tokens[r.gateway] -= r.uncached_predicted
         rep.pool.cache(r, r.hashes[r.hit_blocks :])
         rep.running += 1
         self.at(self.now + len(r.output) * self.fp.tpot_s, "finish", r)
@@ -303,7 +339,7 @@ class Sim:
         rep.pool.cache(r, full[len(r.hashes) :])
         rep.pool.release(r)
         rep.running -= 1
-        rep.inflight -= 1
+        rep.inflight[r.gateway] -= 1
         self.done.append(r)
         conv = self.convs[r.conv]
         if r.turn + 1 < len(conv.turns):

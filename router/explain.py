@@ -75,6 +75,9 @@ def describe(
             "predicted_cached_blocks": decision.matched_blocks,
             "predicted_cached_tokens": decision.matched_blocks * rr.block_size,
             "ring_choice": decision.ring_choice,
+            "spill_cause": decision.cause,
+            "spill_copied_blocks": decision.copied_blocks,
+            "prefix_replicas": decision.holders,
         }
         # Each scorer's weighted term and each filter's verdict, whatever the plugins are.
         out["candidates"] = [

@@ -24,6 +24,7 @@ import aiohttp
 
 from router.outlier import ErrorWindow, Latency, OutlierPolicy
 from router.schedule import Candidate
+from router.schedule.observed import ObservedTTFT
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.fleet")
@@ -97,6 +98,8 @@ class Replica:
     spared_at: float | None = None  # last time the ejection cap kept it in (rate-limits a log)
     window: ErrorWindow = field(default_factory=lambda: ErrorWindow(10.0))
     latency: Latency = field(default_factory=Latency.new)
+    # Time to first streamed byte this gateway observes, decayed (ring_spill's ttft cap).
+    ttft: ObservedTTFT = field(default_factory=ObservedTTFT)
 
     @property
     def ejected(self) -> bool:
@@ -129,6 +132,7 @@ class Replica:
             waiting=self.stats.waiting,
             running=self.stats.running,
             kv_usage=self.stats.kv_usage,
+            ttft_s=self.ttft.get(),
         )
 
 
@@ -268,6 +272,8 @@ class Fleet:
         replica.failures = 0
         if status < 400 and first_byte_s is not None:
             replica.latency.observe(stream, first_byte_s, completion_tokens)
+            if stream:  # a whole answer's time is not a time to first token
+                replica.ttft.observe(first_byte_s)
             self.latency.observe(stream, first_byte_s, completion_tokens)
 
     async def _judge(self, replica: Replica, why: str) -> None:

@@ -492,7 +492,7 @@ class Gateway:
             await self.index.record(decision.replica, rr.block_hashes)
         else:  # a Redis write stays off the request's critical path
             self.spawn(self.index.record(decision.replica, rr.block_hashes))
-        self.metrics.child(self.metrics.decisions, decision.policy, decision.reason).inc()
+        self.metrics.placed(decision)
 
     async def _record_tail(self, rr: RoutedRequest, decision: Decision) -> None:
         full = await self.complete(rr)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 M = TypeVar("M", bound=MetricWrapperBase)
+
+if TYPE_CHECKING:
+    from router.schedule import Decision
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -153,6 +156,39 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+
+        # Spills: a fixed set of causes (the pickers' labels and the filter names), so the
+        # label cardinality is bounded; the replica set is a histogram, not a gauge per prefix.
+        self.spills = Counter(
+            "prefix_router_spills",
+            "Requests placed away from the longest prefix holder, by policy and cause",
+            ["policy", "cause"],
+            registry=r,
+        )
+        self.spill_evictions = Counter(
+            "prefix_router_spill_evicted_blocks_estimated",
+            "Blocks spills copied to their replica (estimated evictions: once a cache has "
+            "filled, each block written evicts one cached block)",
+            ["policy"],
+            registry=r,
+        )
+        self.prefix_holders = Histogram(
+            "prefix_router_prefix_replicas",
+            "Replicas holding a routed prompt's first block (its prefix's replica set), per "
+            "request that reuses one",
+            ["policy"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+
+    def placed(self, d: Decision) -> None:
+        """A decision was acted on: its reason, and for a spill its cause and copy."""
+        self.child(self.decisions, d.policy, d.reason).inc()
+        if d.holders:
+            self.child(self.prefix_holders, d.policy).observe(d.holders)
+        if d.cause is not None:
+            self.child(self.spills, d.policy, d.cause).inc()
+            self.child(self.spill_evictions, d.policy).inc(d.copied_blocks)
 
     def child(self, metric: M, *values: str) -> M:
         """``metric.labels(*values)``, memoised: the hot path's way to a labelled series."""

@@ -90,12 +90,28 @@ class Pipeline:
             )
         pick = self.picker.pick(cycle, scored)
         chosen = next(s for s in scored if s.url == pick.replica)
+        reason = pick.reason or self.name
+        cause, copied = None, 0
+        if reason == "spill":
+            cause = pick.cause or _spill_cause(scored)
+            copied = max(s.matched_blocks for s in scored) - chosen.matched_blocks
         return Decision(
             replica=pick.replica,
             matched_blocks=chosen.matched_blocks,
-            reason=pick.reason or self.name,
+            reason=reason,
             policy=self.name,
             scores=tuple(scored),
             ring_choice=pick.ring_choice,
             why=pick.why,
+            cause=cause,
+            holders=sum(1 for s in scored if s.matched_blocks > 0),
+            copied_blocks=copied,
         )
+
+
+def _spill_cause(scored: Sequence[ScoredCandidate]) -> str:
+    """Why a picker without its own label spilled: the filter that removed the longest
+    holder, or the cost terms (``cost``)."""
+    most = max(s.matched_blocks for s in scored)
+    holder = next((s for s in scored if s.matched_blocks == most and s.filtered_by), None)
+    return holder.filtered_by if holder and holder.filtered_by else "cost"

@@ -38,6 +38,7 @@ class Candidate:
     waiting: int = 0  # scraped vllm:num_requests_waiting
     running: int = 0  # scraped vllm:num_requests_running
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc
+    ttft_s: float = 0.0  # time to first byte this gateway observed lately (decayed mean)
 
     @property
     def load(self) -> int:
@@ -69,6 +70,9 @@ class Decision:
     scores: tuple[ScoredCandidate, ...] = ()
     ring_choice: str | None = None
     why: str = ""  # one sentence for operators, from the picker
+    cause: str | None = None  # a spill's reason: a short fixed label (the picker's, or derived)
+    holders: int = 0  # replicas holding the prompt's first block: the prefix's replica set
+    copied_blocks: int = 0  # a spill's blocks new to its replica (each may evict one there)
 
     @property
     def terms(self) -> dict[str, dict[str, float]]:
@@ -87,6 +91,7 @@ class Pick:
     reason: str | None = None  # None: the policy's name is the reason
     why: str = ""
     ring_choice: str | None = None
+    cause: str | None = None  # for a spill, why (a short fixed label: the metrics' reason)
 
 
 @dataclass(slots=True)

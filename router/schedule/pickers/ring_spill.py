@@ -35,20 +35,25 @@ class RingSpill:
     @dataclass(frozen=True)
     class Params:
         queue_cap_tokens: float = 1024.0  # queued prompt tokens a replica may carry
+        ttft_cap_s: float = 0.0  # observed time to first byte a holder may show (0: off)
 
         def __post_init__(self) -> None:
             if self.queue_cap_tokens < 0:
                 raise ValueError(f"queue_cap_tokens must be >= 0, got {self.queue_cap_tokens}")
+            if self.ttft_cap_s < 0:
+                raise ValueError(f"ttft_cap_s must be >= 0, got {self.ttft_cap_s}")
 
     name = "ring_spill"
     uses_index = True
 
     def __init__(self, params: Params) -> None:
         self.cap = params.queue_cap_tokens
+        self.ttft_cap = params.ttft_cap_s
 
     def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
         pending = {c.url: c.pending_prefill_tokens for c in cycle.candidates}
         inflight = {c.url: c.inflight for c in cycle.candidates}
+        ttft = {c.url: c.ttft_s for c in cycle.candidates}
         eligible = {s.url: s for s in scored if s.filtered is None}
         order = [u for u in cycle.ring.walk(routing_key(cycle.req)) if u in eligible]
         order += sorted(set(eligible) - set(order))  # not on the ring yet
@@ -64,12 +69,16 @@ class RingSpill:
                 f"tokens), ring position {pos[u]}",
                 owner,
             )
+
+        def slow(u: str) -> bool:
+            return bool(self.ttft_cap) and ttft[u] > self.ttft_cap
+
         most = max(s.matched_blocks for s in scored)
         held = [u for u in order if eligible[u].matched_blocks == best]
         # Where the prefix's replica set stands: how many hold it, at which ring positions.
         note = f" [held by {len(held)} at ring positions {','.join(str(pos[u]) for u in held)}]"
-        for u in order:
-            if eligible[u].matched_blocks == best and pending[u] <= self.cap:
+        for u in held:
+            if pending[u] <= self.cap and not slow(u):
                 reason = "prefix" if best == most else "spill"
                 return Pick(
                     u,
@@ -78,19 +87,26 @@ class RingSpill:
                     f"{self.cap:.0f}; ring position {pos[u]}" + note,
                     owner,
                 )
-        stay = min(
-            (s for s in eligible.values() if s.matched_blocks == best),
-            key=lambda s: (s.cost, pos[s.url]),
-        )
+        stay = min((eligible[u] for u in held), key=lambda s: (s.cost, pos[s.url]))
         for u in order:  # spill only where it saves more than the cap, in ring order
-            if eligible[u].cost + self.cap < stay.cost:
+            if eligible[u].cost + self.cap < stay.cost and not slow(u):
                 why = (
-                    f"every holder's queue is over the cap {self.cap:.0f} and this saves "
-                    f"{stay.cost - eligible[u].cost:.0f} tokens: next on the prefix's ring, "
-                    f"position {pos[u]}"
+                    f"every holder is over a cap and this saves "
+                    f"{stay.cost - eligible[u].cost:.0f} tokens (> the queue cap "
+                    f"{self.cap:.0f}): next on the prefix's ring, position {pos[u]}"
                 )
                 reason = "prefix" if eligible[u].matched_blocks == most else "spill"
-                return Pick(u, reason, why + note, owner)
+                return Pick(u, reason, why + note, owner, cause="queue_cap")
+        if slow(stay.url):  # its wait is longer than the tokens say (decode, other gateways)
+            for u in order:
+                if pending[u] <= self.cap and not slow(u):
+                    why = (
+                        f"every holder is over a cap and the cheapest one's observed time to "
+                        f"first byte {ttft[stay.url]:.2f} s is over {self.ttft_cap:g} s: the "
+                        f"next on the prefix's ring within both caps, position {pos[u]}"
+                    )
+                    reason = "prefix" if eligible[u].matched_blocks == most else "spill"
+                    return Pick(u, reason, why + note, owner, cause="observed_ttft")
         reason = "prefix" if stay.matched_blocks == most else "spill"
         why = (
             f"holders are over the cap {self.cap:.0f} but no spill saves more: the cheapest holder"
@@ -106,6 +122,7 @@ class RingSpillPolicy:
 
     queue_cap_tokens: float = 1024.0
     decode_cost_tokens: float = 8.0
+    ttft_cap_s: float = 3.0  # a holder whose observed time to first byte is over it sheds
 
     def profile(self) -> ProfileSpec:
         return ProfileSpec(
@@ -115,5 +132,8 @@ class RingSpillPolicy:
                 PluginSpec("queued_tokens"),
                 PluginSpec("inflight", weight=self.decode_cost_tokens),
             ),
-            PluginSpec("ring_spill", {"queue_cap_tokens": self.queue_cap_tokens}),
+            PluginSpec(
+                "ring_spill",
+                {"queue_cap_tokens": self.queue_cap_tokens, "ttft_cap_s": self.ttft_cap_s},
+            ),
         )

@@ -92,3 +92,64 @@ def test_over_the_cap_stays_when_no_spill_saves_more_than_the_cap():
     d = _policy().choose(r, cands)
     assert (d.replica, d.reason) == (ring[0], "prefix")
     assert "no spill saves more" in d.why
+
+
+def _slow_policy(ttft_cap_s: float = 3.0):
+    return build_named(
+        "ring_spill", HashRing(URLS), {"queue_cap_tokens": CAP, "ttft_cap_s": ttft_cap_s}
+    )
+
+
+def _stuck_owner(r, owner_ttft_s: float, **extra_ttft: float) -> list[Candidate]:
+    """The owner holds the whole prompt with a queue over the cap that no spill beats on
+    tokens (the case above); its observed time to first byte is ``owner_ttft_s``."""
+    ring = _ring(r)
+    ttft = {ring[0]: owner_ttft_s, **{ring[int(k[1:])]: v for k, v in extra_ttft.items()}}
+    return [
+        Candidate(
+            u,
+            matched_blocks=39 if u == ring[0] else 0,
+            pending_prefill_tokens=2000 if u == ring[0] else 0,
+            ttft_s=ttft.get(u, 0.0),
+        )
+        for u in URLS
+    ]
+
+
+def test_a_holder_observed_slower_than_the_ttft_cap_sheds_to_the_next_on_the_ring():
+    r = req(640, first=3)
+    ring = _ring(r)
+    # The tokens say stay (as above), but its first bytes take 5 s: decode load or another
+    # gateway's queue the token counts do not show. The next on the ring takes it.
+    d = _slow_policy().choose(r, _stuck_owner(r, 5.0))
+    assert (d.replica, d.reason, d.cause) == (ring[1], "spill", "observed_ttft")
+    assert "observed time to first byte 5.00 s is over 3 s" in d.why
+    assert d.copied_blocks == 39 and d.holders == 1
+    # ... skipping a next one that is slow too.
+    d = _slow_policy().choose(r, _stuck_owner(r, 5.0, p1=4.0))
+    assert d.replica == ring[2]
+    # Under the cap, or with the cap off, it stays.
+    for policy, ttft in ((_slow_policy(), 2.9), (_slow_policy(0.0), 50.0)):
+        d = policy.choose(r, _stuck_owner(r, ttft))
+        assert (d.replica, d.reason, d.cause) == (ring[0], "prefix", None)
+
+
+def test_a_slow_holder_under_the_queue_cap_yields_to_the_next_holder():
+    r = req(640, first=3)
+    ring = _ring(r)
+    cands = [
+        Candidate(u, matched_blocks=40 if u in ring[:2] else 0, ttft_s=4.0 if u == ring[0] else 0)
+        for u in URLS
+    ]
+    d = _slow_policy().choose(r, cands)
+    assert (d.replica, d.reason) == (ring[1], "prefix")
+    assert "held by 2 at ring positions 0,1" in d.why
+
+
+def test_every_replica_slow_is_the_token_rule_again():
+    r = req(640, first=3)
+    ring = _ring(r)
+    slow = {f"p{i}": 9.0 for i in range(1, 4)}
+    d = _slow_policy().choose(r, _stuck_owner(r, 9.0, **slow))
+    assert (d.replica, d.reason) == (ring[0], "prefix")
+    assert "no spill saves more" in d.why
