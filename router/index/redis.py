@@ -109,11 +109,8 @@ end
 return out
 """
 
-# KEYS[1] blocks zset, KEYS[2] capacity. ARGV[1] capacity to use if none stored, ARGV[2] '1'
-# if that capacity is known (set_capacity'd by this gateway: store it back, e.g. after a Redis
-# restart), ARGV[3] ttl ms, then the hashes. Returns the key's cardinality after the trim.
-_RECORD = """
-local ttl = ARGV[3]
+# The capacity both record scripts trim to (``ttl`` set before it).
+_CAPACITY = """
 local cap = tonumber(redis.call('GET', KEYS[2]))
 if cap then
   redis.call('PEXPIRE', KEYS[2], ttl)
@@ -121,7 +118,18 @@ else
   cap = tonumber(ARGV[1])
   if ARGV[2] == '1' then redis.call('SET', KEYS[2], ARGV[1], 'PX', ttl) end
 end
-local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+"""
+
+# KEYS[1] blocks zset, KEYS[2] capacity. ARGV[1] capacity to use if none stored, ARGV[2] '1'
+# if that capacity is known (set_capacity'd by this gateway: store it back, e.g. after a Redis
+# restart), ARGV[3] ttl ms, then the hashes. Returns the key's cardinality after the trim.
+
+_RECORD = (
+    """
+local ttl = ARGV[3]
+"""
+    + _CAPACITY
+    + """local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 local base = tonumber(top[2]) or 0
 local args, j = {{}}, 0
 for i = n, 1, -1 do
@@ -142,20 +150,17 @@ end
 redis.call('PEXPIRE', KEYS[1], ttl)
 return card
 """
+)
 
 # Write only what changed (``refresh_blocks`` set; see "Bounded records" in the module doc).
 # KEYS and ARGV[1..3] as _RECORD, ARGV[4] the refresh budget B, ARGV[5] the head's freshness
 # bound as a fraction of the capacity, then the hashes. Returns {cardinality, members written}.
-_RECORD_CHANGED = """
+_RECORD_CHANGED = (
+    """
 local ttl, budget = ARGV[3], tonumber(ARGV[4])
-local cap = tonumber(redis.call('GET', KEYS[2]))
-if cap then
-  redis.call('PEXPIRE', KEYS[2], ttl)
-else
-  cap = tonumber(ARGV[1])
-  if ARGV[2] == '1' then redis.call('SET', KEYS[2], ARGV[1], 'PX', ttl) end
-end
-local key = KEYS[1]
+"""
+    + _CAPACITY
+    + """local key = KEYS[1]
 local function score(i) return tonumber(redis.call('ZSCORE', key, m(i))) end
 -- k: the leading run held (binary search, as in match)
 local k = 0
@@ -222,6 +227,7 @@ end
 redis.call('PEXPIRE', key, ttl)
 return {{card, written}}
 """
+)
 
 # KEYS[1] blocks zset. ARGV: the hashes to remove. Returns the cardinality left.
 _FORGET = """
