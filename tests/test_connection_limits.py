@@ -160,6 +160,15 @@ async def test_a_slow_request_head_gets_a_408_and_is_closed(fleet, gateway):
     await still_serving(gw.url)
 
 
+async def health_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    """One GET /health on an open keep-alive connection, read to its end: the status."""
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), EOF_WAIT_S)
+    status, headers, _ = parse(head)
+    await reader.readexactly(int(headers["content-length"]))
+    return status
+
+
 async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(fleet, gateway):
     replicas = await fleet(1)
     gw = await gateway([replicas[0].url], header_timeout_s=0.5)
@@ -171,11 +180,7 @@ async def test_a_keep_alive_connection_trickling_its_next_head_gets_a_408(fleet,
     gw = await gateway([replicas[0].url], header_timeout_s=0.5, keepalive_timeout_s=60)
     reader, writer = await connect(gw.url)
     try:
-        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), EOF_WAIT_S)
-        status, headers, _ = parse(head)
-        assert status == 200
-        await reader.readexactly(int(headers["content-length"]))
+        assert await health_on(reader, writer) == 200
         writer.write(b"GET /health HTTP/1.1\r\nHo")  # and never the rest
         status, _, body = parse(await asyncio.wait_for(reader.read(), EOF_WAIT_S))
         assert status == 408
@@ -189,10 +194,7 @@ async def test_an_idle_keep_alive_connection_is_closed(fleet, gateway):
     gw = await gateway([replicas[0].url], keepalive_timeout_s=0.5, header_timeout_s=60)
     reader, writer = await connect(gw.url)
     try:
-        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), EOF_WAIT_S)
-        _, headers, _ = parse(head)
-        await reader.readexactly(int(headers["content-length"]))
+        assert await health_on(reader, writer) == 200
         # Nothing more is sent: the server ends the connection, silently.
         assert await asyncio.wait_for(reader.read(), EOF_WAIT_S) == b""
     finally:
