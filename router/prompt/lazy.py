@@ -177,7 +177,7 @@ def _finish(
     """The full ids: the head, the cut segment's second part, then the segments after it;
     the cut segment is cached whole (the next turn repeats it)."""
     whole = array("I", first)
-    whole.extend(seg.encode_piece(piece[cut:], store=False, in_thread=True))
+    whole.extend(seg.encode_piece(piece[cut:], store=False))
     seg.store(piece, whole)
     out = array("I", head)
     out.extend(whole[len(first) :])

@@ -449,10 +449,9 @@ class SegmentTokenizer:
                 self.hits += 1
         return hit
 
-    def encode_piece(self, text: str, *, store: bool, in_thread: bool = False) -> list[int]:
+    def encode_piece(self, text: str, *, store: bool) -> list[int]:
         """BPE-encode text with no added token in it (a segment or part of one), with the
-        one encode hook (the reference's batch call releases the GIL, so ``in_thread`` needs
-        nothing more)."""
+        one encode hook (safe in a worker thread: it never holds the GIL for long)."""
         assert self._encode_plain is not None
         ids = list(self._encode_plain([text])[0])
         if store:
