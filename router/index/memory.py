@@ -44,12 +44,20 @@ class _ReplicaCache:
         # Last block first, so block 0 ends up most recent: trimming then drops a prompt's
         # tail before its head, as vLLM's free queue does (a freed request's blocks are
         # appended tail-first), and the leading run the index reports stays contiguous.
-        move = blocks.move_to_end
-        for h in reversed(block_hashes):
-            try:  # mostly held: one lookup instead of two (half the cost of `in` + move)
-                move(h)
-            except KeyError:
+        # The held run is found first: a KeyError per new block cost ~1.5 us, a third of
+        # a record's time on a prompt with a new turn.
+        held = self.leading_match(block_hashes)
+        for h in reversed(block_hashes[held:]):
+            if h in blocks:  # only if the held set is not prefix-closed
+                blocks.move_to_end(h)
+            else:
                 blocks[h] = None
+        move = blocks.move_to_end
+        for i in range(held - 1, -1, -1):
+            try:  # held, unless a gap hid from the binary search
+                move(block_hashes[i])
+            except KeyError:
+                blocks[block_hashes[i]] = None
         self.trim()
 
     def trim(self) -> None:
