@@ -86,11 +86,21 @@ def _run_worker(config: Config) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     _log_lifecycle(app, config)
+    app.on_startup.append(_freeze_start_up_objects)  # after the gateway's own start
     try:
         _run_app(app, config, loop)
     except OSError as e:  # lost a race for the port checked free at start
         raise UsageError(listen_error(config.host, config.port, e)) from None
     return 0
+
+
+async def _freeze_start_up_objects(app: web.Application) -> None:
+    """What start-up built (the tokenizer, the template, ~100k objects of transformers) lives
+    as long as the process: out of the collector's sight, a full collection no longer stalls
+    the event loop for ~80-250 ms walking it."""
+    import gc
+
+    gc.freeze()
 
 
 def _log_lifecycle(app: web.Application, config: Config) -> None:
