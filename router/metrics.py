@@ -152,7 +152,7 @@ class Metrics:
         self.rejected = Counter(
             "prefix_router_rejected_requests",
             "Requests refused before routing to protect the gateway, by reason "
-            "(body_timeout, inflight_bytes)",
+            "(body_timeout, inflight_bytes, connections, header_timeout)",
             ["reason"],
             registry=r,
         )
