@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from redis.asyncio import ConnectionPool
+
 from router.config import Config
 from router.fleet import Fleet
 from router.index import MemoryIndex, PrefixIndex
@@ -23,6 +25,9 @@ from router.shared_state import FleetSync, new_gateway_id
 log = logging.getLogger("prefix_router")
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+# A replaced connection pool is closed this long after: longer than any call's timeout.
+RETIRE_POOL_AFTER_S = 10.0
 
 
 class FleetMode:
@@ -48,6 +53,7 @@ class FleetMode:
         self.index: ResilientIndex | None = None
         self.sync: FleetSync | None = None
         self._sync_was_up = True
+        self._retired: list[ConnectionPool] = []  # pools replaced after an outage, closing
 
     async def start(self) -> PrefixIndex:
         config = self.config
@@ -84,6 +90,8 @@ class FleetMode:
             await self.sync.stop()
 
     async def close(self) -> None:
+        for pool in list(self._retired):
+            await self._close_pool(pool)
         await self.redis.aclose()
 
     @property
@@ -97,29 +105,46 @@ class FleetMode:
 
     def _on_redis_state(self, up: bool) -> None:
         self.metrics.redis_up.set(1 if up else 0)
-        if not up:
-            self._drop_pooled_connections()
+        self._fresh_pool()
 
     def _on_tick(self, sync: FleetSync) -> None:
-        if self._sync_was_up and sync.redis_up is False:
-            self._drop_pooled_connections()
-        self._sync_was_up = sync.redis_up is not False
+        sync_up = sync.redis_up is not False
+        if sync_up != self._sync_was_up:
+            self._fresh_pool()
+        self._sync_was_up = sync_up
         remote = sync.remote_load
         for url, r in self.fleet.replicas.items():
             r.remote_inflight, r.remote_prefill_tokens = remote.get(url, (0, 0))
         self._on_change()
 
-    def _drop_pooled_connections(self) -> None:
-        # Connections pooled before an outage are dead sockets that redis-py hands out again
-        # once Redis is back: each fails one call, which re-opens the circuit for another
-        # probe interval (a restart flapped for seconds). Drop them all while Redis is down;
-        # calls reconnect on demand.
-        self._spawn(self._disconnect_pool())
+    def _fresh_pool(self) -> None:
+        """On every open or close of a circuit, later calls take a new connection pool.
 
-    async def _disconnect_pool(self) -> None:
+        A connection pooled across an outage is a dead socket that redis-py hands out again
+        once Redis is back ("Connection closed by server"): each fails one call and re-opens
+        a circuit for another probe interval (a restart flapped for seconds). Disconnecting
+        the pooled connections in place raced with calls taking them, and cut those calls;
+        a new pool cannot: calls already on the old one finish there, and it is closed once
+        they have had their timeout."""
+        old = self.redis.connection_pool
+        self.redis.connection_pool = type(old)(
+            connection_class=old.connection_class,
+            max_connections=old.max_connections,
+            **old.connection_kwargs,
+        )
+        self._retired.append(old)
+        self._spawn(self._retire(old))
+
+    async def _retire(self, pool: ConnectionPool) -> None:
+        await asyncio.sleep(RETIRE_POOL_AFTER_S)  # a timer: its calls are over by then
+        await self._close_pool(pool)
+
+    async def _close_pool(self, pool: ConnectionPool) -> None:
+        if pool in self._retired:
+            self._retired.remove(pool)
         try:
-            await self.redis.connection_pool.disconnect()
+            await pool.disconnect()
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:
-            log.debug("dropping pooled Redis connections failed: %r", exc)
+            log.debug("closing a retired Redis connection pool failed: %r", exc)
