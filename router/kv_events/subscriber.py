@@ -53,6 +53,7 @@ class KVEventSubscriber:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metrics: Any = None,
         leases: StreamLeases | None = None,
+        settle_s: float | None = None,
     ) -> None:
         self.inner = index
         # Fleet mode: a stream this gateway does not own is applied to its local index only
@@ -66,6 +67,10 @@ class KVEventSubscriber:
         self._block_size = block_size
         self.topic = topic.encode()
         self.timeout_s = timeout_s
+        # How long after a request's outcome its placement is checked against the events
+        # (router/kv_events/placements.py): the events are published before the first token,
+        # so this only covers the stream's lag.
+        self.settle_s = min(1.0, timeout_s / 2) if settle_s is None else settle_s
         self.replay_timeout_s = replay_timeout_s
         self.reconnect_s = reconnect_s
         self.max_message_bytes = max_message_bytes
@@ -238,6 +243,7 @@ class KVEventSubscriber:
                         # publisher; the replay socket tells which (and catches up).
                         await self.catch_up(stream.url)
                     self._evaluate(stream, now)
+                    await self.retract(stream, now)
                     gone = stream.disconnected_since
                     if not stream.connected and gone and now - gone > self.reconnect_s:
                         await self._reconnect(stream)
@@ -271,6 +277,56 @@ class KVEventSubscriber:
         stream = self.streams.get(url)
         if stream is not None and stream.expect_since is None:
             stream.expect_since = time.monotonic()
+
+    # -- placements the events have yet to confirm -----------------------------------------
+    def expect(self, stream: Stream, block_hashes: Sequence[int]) -> None:
+        """A placement while the stream is up: checked against the events ``timeout_s``
+        from now, or ``settle_s`` after its request's outcome (``settle``), whichever first."""
+        if stream.up and block_hashes:
+            stream.placements.add(time.monotonic() + self.timeout_s, block_hashes)
+
+    def settle(self, url: str, block_hashes: Sequence[int]) -> None:
+        """The request placed with ``block_hashes`` on ``url`` was answered (or failed)."""
+        stream = self.streams.get(url)
+        if stream is not None:
+            stream.placements.settle(time.monotonic() + self.settle_s, block_hashes)
+
+    def placement_limit(self, stream: Stream) -> int:
+        """Blocks of unconfirmed placements kept per replica: its size (twice over, a block
+        being counted by each placement of it), so the index stays within twice the size."""
+        return 2 * stream.capacity if stream.capacity else MEMO_ENTRIES
+
+    @staticmethod
+    def _behind(stream: Stream) -> bool:
+        """Events received but not applied yet: a batch being applied, or messages waiting
+        on the SUB socket. (In fleet mode the owner may already have written them to Redis,
+        where a retraction now would undo its record.)"""
+        if stream.lock.locked():
+            return True
+        sub = stream.sub
+        try:
+            return sub is not None and bool(int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
+
+    async def retract(self, stream: Stream, now: float) -> None:
+        """Retract what the placements now due recorded and the events do not hold: a
+        request the replica failed or never computed, a record that landed after the block's
+        removal. Down, the approximate model keeps them (placements are all it has)."""
+        due = stream.placements.due(now, self.placement_limit(stream))
+        if not due or not stream.up:
+            return
+        if self._behind(stream):  # the confirming events may be waiting: not yet
+            for hashes in due:
+                stream.placements.add(now + self.settle_s, hashes)
+            return
+        held = stream.gw_holders
+        gone = list(dict.fromkeys(h for hashes in due for h in hashes if h not in held))
+        if gone:
+            stream.placements.retracted += len(gone)
+            # No await before the local write: an event applied meanwhile cannot interleave.
+            await self.inner.forget(stream.url, gone)
+            self._changed.set()
 
     # -- the stream -----------------------------------------------------------------------
     async def _watch(self, stream: Stream, monitor: zmq.asyncio.Socket) -> None:
@@ -410,6 +466,7 @@ class KVEventSubscriber:
             memo.popitem(last=False)
         stream.held.clear()
         stream.gw_holders.clear()
+        stream.placements.clear()  # the entry is dropped: nothing of theirs to retract
 
     # -- applying events ------------------------------------------------------------------
     async def _apply(self, stream: Stream, seq: int, payload: bytes) -> None:
