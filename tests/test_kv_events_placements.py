@@ -72,6 +72,11 @@ async def test_placements_the_events_never_confirm_are_retracted(fleet, gateway)
     await sub.wait(lambda: held(gw, r.url) == truth(r))
     assert not placed_only & held(gw, r.url)
     assert stream.placements.retracted >= len(placed_only)
+    async with aiohttp.ClientSession() as session, session.get(gw.url + "/metrics") as resp:
+        text = await resp.text()
+    assert f'prefix_router_kv_event_stream_owned{{replica="{r.url}"}} 1.0' in text
+    line = f'prefix_router_kv_events_retracted_blocks_total{{replica="{r.url}"}}'
+    assert float(text.split(line)[1].split()[0]) >= len(placed_only)
     # Evictions come one BlockRemoved per block; a batch writes them as one forget.
     kinds = [[kind for kind, _ in ops] for _, ops in stream.oplog]
     assert not any(a == b == "forget" for ks in kinds for a, b in zip(ks, ks[1:], strict=False))
@@ -104,5 +109,20 @@ async def test_fleet_mode_local_and_shared_index_equal_the_caches_after_failures
             return True
 
         await wait_for(exact, what="every local view and Redis equal to the replicas' caches")
+
+        async def one_owned_gauge_each() -> bool:
+            texts = []
+            async with aiohttp.ClientSession() as session:
+                for g in gws:
+                    async with session.get(g.url + "/metrics") as resp:
+                        texts.append(await resp.text())
+            gauge = 'prefix_router_kv_event_stream_owned{{replica="{}"}} {}'
+            return all(
+                [gauge.format(r.url, "1.0") in t for t in texts].count(True) == 1
+                and [gauge.format(r.url, "0.0") in t for t in texts].count(True) == 1
+                for r in replicas
+            )
+
+        await wait_for(one_owned_gauge_each, what="one gateway reporting each stream as owned")
     finally:
         await client.aclose()

@@ -128,6 +128,7 @@ class KVEventSubscriber:
         stream = Stream(url, eps, owned=self.leases is None)
         self._connect(stream)
         self._gauge(stream)
+        self._owned_gauge(stream)
         return stream
 
     def _connect(self, stream: Stream) -> None:
@@ -184,6 +185,10 @@ class KVEventSubscriber:
     def _gauge(self, stream: Stream) -> None:
         if self.metrics is not None:
             self.metrics.kv_events_up.labels(stream.url).set(1 if stream.up else 0)
+
+    def _owned_gauge(self, stream: Stream) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_event_stream_owned.labels(stream.url).set(1 if stream.owned else 0)
 
     def _count(self, stream: Stream, reason: str) -> None:
         stream.errors[reason] = stream.errors.get(reason, 0) + 1
@@ -322,11 +327,20 @@ class KVEventSubscriber:
             return
         held = stream.gw_holders
         gone = list(dict.fromkeys(h for hashes in due for h in hashes if h not in held))
-        if gone:
-            stream.placements.retracted += len(gone)
-            # No await before the local write: an event applied meanwhile cannot interleave.
-            await self.inner.forget(stream.url, gone)
-            self._changed.set()
+        if not gone:
+            return
+        # Counted: those still in the local copy (the rest the events already removed).
+        # Forgotten: all of them, for a shared index where a placement's record may have
+        # landed after the owner's removal. The local copy's reads and write do not suspend,
+        # so no event is applied in between.
+        local = getattr(self.inner, "local", self.inner)
+        url = stream.url
+        lingering = sum([(await local.match([h], [url])).get(url, 0) for h in gone])
+        stream.placements.retracted += lingering
+        if self.metrics is not None and lingering:
+            self.metrics.kv_events_retracted.labels(url).inc(lingering)
+        await self.inner.forget(url, gone)
+        self._changed.set()
 
     # -- the stream -----------------------------------------------------------------------
     async def _watch(self, stream: Stream, monitor: zmq.asyncio.Socket) -> None:
@@ -549,6 +563,7 @@ class KVEventSubscriber:
         if views is None:
             for stream in streams.values():
                 stream.owned = False
+                self._owned_gauge(stream)
             self._changed.set()
             return
         for url, view in views.items():
@@ -559,6 +574,8 @@ class KVEventSubscriber:
             elif not view.mine and stream.owned:
                 log.info("KV events for %s: now written by gateway %s", url, view.holder)
                 stream.owned = False
+        for stream in streams.values():
+            self._owned_gauge(stream)
         self._changed.set()
 
     async def _take_over(self, stream: Stream, stamp: str) -> None:
