@@ -339,6 +339,8 @@ class KVEventSubscriber:
         stream.placements.retracted += lingering
         if self.metrics is not None and lingering:
             self.metrics.kv_events_retracted.labels(url).inc(lingering)
+        # Logged: a takeover after a Redis outage (which skipped this write) replays it.
+        stream.oplog.append(("~", [("forget", gone)]))
         await self.inner.forget(url, gone)
         self._changed.set()
 
@@ -384,7 +386,13 @@ class KVEventSubscriber:
             except Exception:  # a bug here must not end the stream
                 log.exception("KV event %d from %s not applied", seq, stream.url)
                 self._count(stream, "internal")
-            self._evaluate(stream, time.monotonic())
+            now = time.monotonic()
+            self._evaluate(stream, now)
+            if not self._behind(stream):  # caught up: placements due are checked now
+                try:
+                    await self.retract(stream, now)
+                except Exception:  # as above: never the end of the stream
+                    log.exception("placements on %s not checked", stream.url)
             self._changed.set()
             await asyncio.sleep(0)  # a burst of events yields to requests
 
