@@ -285,10 +285,10 @@ class KVEventSubscriber:
 
     # -- placements the events have yet to confirm -----------------------------------------
     def expect(self, stream: Stream, block_hashes: Sequence[int]) -> None:
-        """A placement while the stream is up: checked against the events ``timeout_s``
-        from now, or ``settle_s`` after its request's outcome (``settle``), whichever first."""
-        if stream.up and block_hashes:
-            stream.placements.add(time.monotonic() + self.timeout_s, block_hashes)
+        """A placement: checked against the events ``timeout_s`` from now, or ``settle_s``
+        after its request's outcome (``settle``), whichever first. (One made while the stream
+        is down is checked too if the events are back by then: a replica restarting.)"""
+        stream.placements.add(time.monotonic() + self.timeout_s, block_hashes)
 
     def settle(self, url: str, block_hashes: Sequence[int]) -> None:
         """The request placed with ``block_hashes`` on ``url`` was answered (or failed)."""
