@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from router.index.redis import make_client
+from router.kv_events.placements import Placements
 from tests.helpers import post, wait_for
 from tests.test_kv_events import (
     body,
@@ -126,3 +127,18 @@ async def test_fleet_mode_local_and_shared_index_equal_the_caches_after_failures
         await wait_for(one_owned_gauge_each, what="one gateway reporting each stream as owned")
     finally:
         await client.aclose()
+
+
+def test_a_settled_placement_is_due_sooner_and_the_limit_checks_the_soonest_first():
+    p = Placements()
+    a, b, c = [1, 2], [3], [4, 5, 6]
+    p.add(10.0, a)
+    p.add(10.0, b)
+    p.add(20.0, c)
+    assert p.settle(1.0, b) and not p.settle(1.0, [3])  # found by identity, not by value
+    assert p.due(0.5, limit=100) == []
+    assert p.due(1.0, limit=100) == [b]
+    assert (p.blocks, len(p)) == (5, 2)
+    assert p.due(0.0, limit=3) == [a]  # past the limit: checked early, soonest deadline first
+    assert p.due(25.0, limit=100) == [c]
+    assert (p.blocks, len(p)) == (0, 0)

@@ -36,6 +36,7 @@ log = logging.getLogger("prefix_router.kv_events")
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 RESYNC_CHUNK = 2048  # blocks per shared write when a takeover rewrites a replica's entry
 MEMO_ENTRIES = 65_536  # vLLM -> gateway hashes of recently removed blocks (see _parent)
+PLACED_BLOCKS = 65_536  # unconfirmed placement blocks per replica of unknown size
 
 
 class KVEventSubscriber:
@@ -299,7 +300,7 @@ class KVEventSubscriber:
     def placement_limit(self, stream: Stream) -> int:
         """Blocks of unconfirmed placements kept per replica: its size (twice over, a block
         being counted by each placement of it), so the index stays within twice the size."""
-        return 2 * stream.capacity if stream.capacity else MEMO_ENTRIES
+        return 2 * stream.capacity if stream.capacity else PLACED_BLOCKS
 
     @staticmethod
     def _behind(stream: Stream) -> bool:
