@@ -340,9 +340,16 @@ class KVEventSubscriber:
         stream.placements.retracted += lingering
         if self.metrics is not None and lingering:
             self.metrics.kv_events_retracted.labels(url).inc(lingering)
-        # Logged: a takeover after a Redis outage (which skipped this write) replays it.
-        stream.oplog.append(("~", [("forget", gone)]))
-        await self.inner.forget(url, gone)
+        if not getattr(self.inner, "redis_up", True):
+            # The shared index would skip the write: the local copy now, the whole check
+            # again later (what is then still not held is forgotten in Redis too).
+            await local.forget(url, gone)
+            for hashes in due:
+                stream.placements.add(now + self.settle_s, hashes)
+        else:
+            # Logged: a takeover's catch-up replays it like the events' writes.
+            stream.oplog.append(("~", [("forget", gone)]))
+            await self.inner.forget(url, gone)
         self._changed.set()
 
     # -- the stream -----------------------------------------------------------------------
