@@ -215,6 +215,11 @@ class Config:
     sync_interval_s: float = _opt(
         0.5, "seconds between publishing this gateway's load to Redis and reading the others'"
     )
+    redis_refresh_blocks: int = _opt(
+        64,
+        "a Redis record writes the blocks new to the replica and refreshes at most this many "
+        "it already held (0: rewrite every block of the prompt each time)",
+    )
     # -- precise mode (vLLM KV cache events)
     kv_events: bool = _opt(
         False,
@@ -343,6 +348,10 @@ class Config:
             self.kv_events_replay_port is not None and not 0 < self.kv_events_replay_port < 65536
         ):
             raise ConfigError("kv_events_port and kv_events_replay_port must be 1..65535")
+        if self.redis_refresh_blocks < 0:
+            raise ConfigError(
+                f"redis_refresh_blocks must be >= 0 (0: every block), got {self.redis_refresh_blocks}"
+            )
         if self.kv_events_timeout_s <= 0:
             raise ConfigError(
                 f"kv_events_timeout_s must be positive, got {self.kv_events_timeout_s}"

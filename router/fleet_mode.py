@@ -17,7 +17,7 @@ from redis.asyncio import ConnectionPool
 from router.config import Config
 from router.fleet import Fleet
 from router.index import MemoryIndex, PrefixIndex
-from router.index.redis import DEFAULT_REFRESH_BLOCKS, RedisIndex, make_client
+from router.index.redis import RedisIndex, make_client
 from router.index.resilient import ResilientIndex
 from router.metrics import Metrics
 from router.shared_state import FleetSync, new_gateway_id
@@ -63,7 +63,7 @@ class FleetMode:
             self.model,
             namespace=config.redis_prefix,
             default_capacity=capacity,
-            refresh_blocks=DEFAULT_REFRESH_BLOCKS,  # write only what changed (router/index/redis.py)
+            refresh_blocks=config.redis_refresh_blocks or None,  # router/index/redis.py
         )
         self.index = ResilientIndex(
             shared, MemoryIndex(capacity), match_timeout_s=config.redis_timeout_ms / 1000

@@ -143,6 +143,20 @@ class Metrics:
             ["replica", "reason"],
             registry=r,
         )
+        self.kv_event_stream_owned = Gauge(
+            "prefix_router_kv_event_stream_owned",
+            "1 while this gateway writes the replica's KV events to the shared index (fleet "
+            "mode: one gateway per stream holds its lease; without Redis, always 1)",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_events_retracted = Counter(
+            "prefix_router_kv_events_retracted_blocks",
+            "Blocks this gateway recorded for placements that the replica's KV events never "
+            "stored (a failed request, a record after the block's eviction), retracted",
+            ["replica"],
+            registry=r,
+        )
         self.redis_fallbacks = Counter(
             "prefix_router_redis_fallbacks", "Lookups answered from the local view", registry=r
         )

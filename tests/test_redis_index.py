@@ -621,3 +621,18 @@ async def test_bounded_records_keep_chains_prefix_closed_under_eviction(
         assert (await red.match(p, ["r"]))["r"] == scan
         held = [s for s in scores if s is not None]
         assert held == sorted(held, reverse=True)  # never more recent than an ancestor
+
+
+async def test_the_bounded_record_budget_is_a_config_key(fleet, gateway, redis_server):
+    from router.config import ConfigError, load_config
+    from router.index.redis import DEFAULT_REFRESH_BLOCKS
+
+    assert load_config(None, env={}).redis_refresh_blocks == DEFAULT_REFRESH_BLOCKS
+    env = {"PREFIX_ROUTER_REDIS_REFRESH_BLOCKS": "16"}
+    assert load_config(None, env=env).redis_refresh_blocks == 16
+    with pytest.raises(ConfigError, match="redis_refresh_blocks"):
+        load_config(None, env={}, redis_refresh_blocks=-1)
+    (replica,) = await fleet(1, instant=True)
+    for budget, expected in ((8, 8), (0, None)):  # 0: every block rewritten, as before
+        gw = await gateway([replica.url], redis_url=redis_server.url, redis_refresh_blocks=budget)
+        assert gw.gateway.index.primary.refresh_blocks == expected

@@ -62,7 +62,7 @@ from router.index.memory import DEFAULT_CAPACITY_BLOCKS
 
 DEFAULT_NAMESPACE = "prefix-router"
 DEFAULT_TTL_S = 24 * 3600.0
-DEFAULT_REFRESH_BLOCKS = 64  # fleet mode's budget (router/fleet_mode.py)
+DEFAULT_REFRESH_BLOCKS = 64  # fleet mode's budget (config redis_refresh_blocks)
 DEFAULT_FRESH_FRACTION = 1 / 16
 
 Encoding = Literal["binary", "decimal"]

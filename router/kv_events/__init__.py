@@ -19,12 +19,18 @@ affinity, so doubt resolves to forgetting.
 
 How it combines with the approximate model: the gateway still records a prompt's blocks when
 it places a request (events arrive only once the replica schedules it, and a second request
-for the same prefix must follow the first meanwhile). These records are self-confirming: the
-replica stores every full block of the prompt, so the events that follow record the same
-hashes, and its evictions remove them. What events never confirm (a request that failed, a
-tokenization the replica does not share) stays as it does in approximate mode, until LRU trims
-it or reported cached tokens correct it. Retracting a failed request's blocks (``forget``)
-spares blocks the events say are held.
+for the same prefix must follow the first meanwhile). The replica stores every full block of
+the prompt, so the events that follow record the same hashes, and its evictions remove them.
+What the events do not confirm (a request that failed, a tokenization the replica does not
+share, a record that landed after the block's removal event) is retracted once the request's
+outcome is known plus a short settle, or ``timeout_s`` after the placement without one
+(``placements``): the index is what the events say plus the placements whose events are still
+due, bounded by the replica's size. Retracting a failed request's blocks (``forget``) spares
+blocks the events say are held.
+
+A batch's index writes go out after its events, consecutive removals as one ``forget``: vLLM
+sends one ``BlockRemoved`` per evicted block, and a round trip each (Redis, in fleet mode)
+left a busy replica's stream ~100 batches behind, the index holding what it had evicted.
 
 Liveness, per replica: up while the SUB socket is connected (ZMQ's socket monitor) and the
 replica answers placements with events: a placement after which no event came for
@@ -43,6 +49,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from router.kv_events.ownership import StreamLeases
+from router.kv_events.placements import SettleOnOutcome
 from router.kv_events.precise_index import PreciseIndex
 from router.kv_events.streams import Endpoints, Stream, endpoints_from_config
 from router.kv_events.subscriber import KVEventSubscriber
@@ -94,5 +101,6 @@ async def start_for(gateway: Any) -> KVEventSubscriber:
         leases=leases,
     )
     gateway.index = sub.index
+    gateway.observers.append(SettleOnOutcome(sub.settle))
     await sub.start()
     return sub

@@ -28,8 +28,10 @@ class PreciseIndex:
 
     async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
         stream = self.subscriber.streams.get(replica)
-        if stream is not None and block_hashes and block_hashes[-1] not in stream.gw_holders:
-            self.subscriber.placed(replica)  # blocks the replica will store: events are due
+        if stream is not None and block_hashes:
+            if block_hashes[-1] not in stream.gw_holders:
+                self.subscriber.placed(replica)  # blocks the replica will store: events are due
+            self.subscriber.expect(stream, block_hashes)  # retracted unless events confirm
         await self.inner.record(replica, block_hashes)
 
     async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
+from router.kv_events.placements import Placements
 from router.kv_wire import (
     Hash,
 )
@@ -73,6 +74,8 @@ class Stream:
     gw_holders: dict[int, int] = field(default_factory=dict)
     memo: OrderedDict[Hash, int] = field(default_factory=OrderedDict)
     capacity: int | None = None
+    # The gateway's placements on this replica whose blocks the events have yet to confirm.
+    placements: Placements = field(default_factory=Placements)
     batches: int = 0
     resets: int = 0
     replays: int = 0
@@ -97,6 +100,8 @@ class Stream:
             "seq": self.last_applied,
             "blocks": len(self.gw_holders),
             "resets": self.resets,
+            "unconfirmed_placements": len(self.placements),
+            "retracted_blocks": self.placements.retracted,
             "replays": self.replays,
             "owned": self.owned,
             "owner": self.holder or None,

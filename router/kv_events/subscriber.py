@@ -36,6 +36,7 @@ log = logging.getLogger("prefix_router.kv_events")
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 RESYNC_CHUNK = 2048  # blocks per shared write when a takeover rewrites a replica's entry
 MEMO_ENTRIES = 65_536  # vLLM -> gateway hashes of recently removed blocks (see _parent)
+PLACED_BLOCKS = 65_536  # unconfirmed placement blocks per replica of unknown size
 
 
 class KVEventSubscriber:
@@ -53,6 +54,7 @@ class KVEventSubscriber:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metrics: Any = None,
         leases: StreamLeases | None = None,
+        settle_s: float | None = None,
     ) -> None:
         self.inner = index
         # Fleet mode: a stream this gateway does not own is applied to its local index only
@@ -66,6 +68,10 @@ class KVEventSubscriber:
         self._block_size = block_size
         self.topic = topic.encode()
         self.timeout_s = timeout_s
+        # How long after a request's outcome its placement is checked against the events
+        # (router/kv_events/placements.py): the events are published before the first token,
+        # so this only covers the stream's lag.
+        self.settle_s = min(1.0, timeout_s / 2) if settle_s is None else settle_s
         self.replay_timeout_s = replay_timeout_s
         self.reconnect_s = reconnect_s
         self.max_message_bytes = max_message_bytes
@@ -123,6 +129,7 @@ class KVEventSubscriber:
         stream = Stream(url, eps, owned=self.leases is None)
         self._connect(stream)
         self._gauge(stream)
+        self._owned_gauge(stream)
         return stream
 
     def _connect(self, stream: Stream) -> None:
@@ -179,6 +186,10 @@ class KVEventSubscriber:
     def _gauge(self, stream: Stream) -> None:
         if self.metrics is not None:
             self.metrics.kv_events_up.labels(stream.url).set(1 if stream.up else 0)
+
+    def _owned_gauge(self, stream: Stream) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_event_stream_owned.labels(stream.url).set(1 if stream.owned else 0)
 
     def _count(self, stream: Stream, reason: str) -> None:
         stream.errors[reason] = stream.errors.get(reason, 0) + 1
@@ -238,6 +249,7 @@ class KVEventSubscriber:
                         # publisher; the replay socket tells which (and catches up).
                         await self.catch_up(stream.url)
                     self._evaluate(stream, now)
+                    await self.retract(stream, now)
                     gone = stream.disconnected_since
                     if not stream.connected and gone and now - gone > self.reconnect_s:
                         await self._reconnect(stream)
@@ -271,6 +283,74 @@ class KVEventSubscriber:
         stream = self.streams.get(url)
         if stream is not None and stream.expect_since is None:
             stream.expect_since = time.monotonic()
+
+    # -- placements the events have yet to confirm -----------------------------------------
+    def expect(self, stream: Stream, block_hashes: Sequence[int]) -> None:
+        """A placement: checked against the events ``timeout_s`` from now, or ``settle_s``
+        after its request's outcome (``settle``), whichever first. (One made while the stream
+        is down is checked too if the events are back by then: a replica restarting.)"""
+        stream.placements.add(time.monotonic() + self.timeout_s, block_hashes)
+
+    def settle(self, url: str, block_hashes: Sequence[int]) -> None:
+        """The request placed with ``block_hashes`` on ``url`` was answered (or failed)."""
+        stream = self.streams.get(url)
+        if stream is not None:
+            stream.placements.settle(time.monotonic() + self.settle_s, block_hashes)
+
+    def placement_limit(self, stream: Stream) -> int:
+        """Blocks of unconfirmed placements kept per replica: its size (twice over, a block
+        being counted by each placement of it), so the index stays within twice the size."""
+        return 2 * stream.capacity if stream.capacity else PLACED_BLOCKS
+
+    @staticmethod
+    def _behind(stream: Stream) -> bool:
+        """Events received but not applied yet: a batch being applied, or messages waiting
+        on the SUB socket. (In fleet mode the owner may already have written them to Redis,
+        where a retraction now would undo its record.)"""
+        if stream.lock.locked():
+            return True
+        sub = stream.sub
+        try:
+            return sub is not None and bool(int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
+
+    async def retract(self, stream: Stream, now: float) -> None:
+        """Retract what the placements now due recorded and the events do not hold: a
+        request the replica failed or never computed, a record that landed after the block's
+        removal. Down, the approximate model keeps them (placements are all it has)."""
+        due = stream.placements.due(now, self.placement_limit(stream))
+        if not due or not stream.up:
+            return
+        if self._behind(stream):  # the confirming events may be waiting: not yet
+            for hashes in due:
+                stream.placements.add(now + self.settle_s, hashes)
+            return
+        held = stream.gw_holders
+        gone = list(dict.fromkeys(h for hashes in due for h in hashes if h not in held))
+        if not gone:
+            return
+        # Counted: those still in the local copy (the rest the events already removed).
+        # Forgotten: all of them, for a shared index where a placement's record may have
+        # landed after the owner's removal. The local copy's reads and write do not suspend,
+        # so no event is applied in between.
+        local = getattr(self.inner, "local", self.inner)
+        url = stream.url
+        lingering = sum([(await local.match([h], [url])).get(url, 0) for h in gone])
+        stream.placements.retracted += lingering
+        if self.metrics is not None and lingering:
+            self.metrics.kv_events_retracted.labels(url).inc(lingering)
+        if not getattr(self.inner, "redis_up", True):
+            # The shared index would skip the write: the local copy now, the whole check
+            # again later (what is then still not held is forgotten in Redis too).
+            await local.forget(url, gone)
+            for hashes in due:
+                stream.placements.add(now + self.settle_s, hashes)
+        else:
+            # Logged: a takeover's catch-up replays it like the events' writes.
+            stream.oplog.append(("~", [("forget", gone)]))
+            await self.inner.forget(url, gone)
+        self._changed.set()
 
     # -- the stream -----------------------------------------------------------------------
     async def _watch(self, stream: Stream, monitor: zmq.asyncio.Socket) -> None:
@@ -314,7 +394,13 @@ class KVEventSubscriber:
             except Exception:  # a bug here must not end the stream
                 log.exception("KV event %d from %s not applied", seq, stream.url)
                 self._count(stream, "internal")
-            self._evaluate(stream, time.monotonic())
+            now = time.monotonic()
+            self._evaluate(stream, now)
+            if not self._behind(stream):  # caught up: placements due are checked now
+                try:
+                    await self.retract(stream, now)
+                except Exception:  # as above: never the end of the stream
+                    log.exception("placements on %s not checked", stream.url)
             self._changed.set()
             await asyncio.sleep(0)  # a burst of events yields to requests
 
@@ -410,6 +496,7 @@ class KVEventSubscriber:
             memo.popitem(last=False)
         stream.held.clear()
         stream.gw_holders.clear()
+        stream.placements.clear()  # the entry is dropped: nothing of theirs to retract
 
     # -- applying events ------------------------------------------------------------------
     async def _apply(self, stream: Stream, seq: int, payload: bytes) -> None:
@@ -434,15 +521,28 @@ class KVEventSubscriber:
             elif isinstance(event, Skipped):
                 self._count(stream, event.reason)
         stream.applying = False
+        # The batch's writes, after its events: one round trip per write, and a batch of
+        # evictions (one BlockRemoved per block) is a single forget, not one per block.
+        # Written one by one, a busy replica's stream fell behind by ~100 batches, and the
+        # index kept blocks the replica had long evicted (mispredicted +0.2).
+        index = self.inner if stream.owned else self.local
+        for op in ops:
+            await self._do(index, stream.url, op)
         stream.written = stream.oplog[-1][0]
         stream.shared_batches += shared and bool(ops)
 
     async def _write(self, stream: Stream, op: Op) -> None:
-        """One index write of the batch being applied: to the shared index when this
-        gateway owns the stream, else to the local one; logged either way."""
-        if not stream.applying:  # a reset between batches: an entry no stamp names
-            stream.oplog.append(("~", []))
-        stream.oplog[-1][1].append(op)
+        """One index write: inside a batch, queued for the batch's end (consecutive forgets
+        merged); between batches (a reset), done now. To the shared index when this gateway
+        owns the stream, else to the local one; logged either way."""
+        if stream.applying:
+            ops = stream.oplog[-1][1]
+            if op[0] == "forget" and ops and ops[-1][0] == "forget":
+                ops[-1][1].extend(op[1])  # removals commute: one write
+            else:
+                ops.append((op[0], list(op[1])))
+            return
+        stream.oplog.append(("~", [op]))  # a reset between batches: an entry no stamp names
         await self._do(self.inner if stream.owned else self.local, stream.url, op)
 
     @staticmethod
@@ -479,6 +579,7 @@ class KVEventSubscriber:
         if views is None:
             for stream in streams.values():
                 stream.owned = False
+                self._owned_gauge(stream)
             self._changed.set()
             return
         for url, view in views.items():
@@ -489,6 +590,8 @@ class KVEventSubscriber:
             elif not view.mine and stream.owned:
                 log.info("KV events for %s: now written by gateway %s", url, view.holder)
                 stream.owned = False
+        for stream in streams.values():
+            self._owned_gauge(stream)
         self._changed.set()
 
     async def _take_over(self, stream: Stream, stamp: str) -> None:

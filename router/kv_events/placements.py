@@ -1,0 +1,84 @@
+"""Placements whose blocks the events have yet to confirm, per replica stream (precise mode).
+
+The gateway records a prompt's blocks when it places a request (a second request for the same
+prefix must follow the first before the replica's events arrive). Each placement is checked
+again later, and whatever of it the events do not say is held is retracted: at its request's
+outcome plus ``settle_s`` (the replica scheduled it, so its ``BlockStored`` was published; the
+margin covers the stream's lag), or, with no outcome, ``timeout_s`` after the placement. A
+block retracted early (a stream lagging past the margin) is recorded again by its store event.
+So in precise mode the index is what the events say plus, at most, the placements whose events
+are still due, ``limit`` blocks at most (the oldest are checked early past it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class Placements:
+    """A deadline heap of placements (block hash lists) and their total block count. An entry
+    is found again by its list's identity (the same list reaches the outcome), so settling a
+    placement moves its deadline instead of adding a second entry."""
+
+    def __init__(self) -> None:
+        # [deadline, order, hashes, valid]; a moved entry is invalidated and pushed anew
+        self._heap: list[list[Any]] = []
+        self._by_list: dict[int, list[Any]] = {}
+        self._order = itertools.count()
+        self.blocks = 0  # blocks over the valid entries (a block placed twice counts twice)
+        self.retracted = 0  # blocks retracted so far
+
+    def __len__(self) -> int:
+        return len(self._by_list)
+
+    def add(self, deadline: float, block_hashes: Sequence[int]) -> None:
+        if block_hashes:
+            entry = [deadline, next(self._order), block_hashes, True]
+            heapq.heappush(self._heap, entry)
+            self._by_list[id(block_hashes)] = entry  # the entry keeps the list (and its id)
+            self.blocks += len(block_hashes)
+
+    def settle(self, deadline: float, block_hashes: Sequence[int]) -> bool:
+        """The placement's request is answered: check it at ``deadline`` if that is sooner.
+        False when no entry holds this list (placed while the stream was down, or checked)."""
+        entry = self._by_list.get(id(block_hashes))
+        if entry is None or entry[2] is not block_hashes:
+            return False
+        if deadline < entry[0]:
+            entry[3] = False
+            self.blocks -= len(block_hashes)
+            self.add(deadline, block_hashes)
+        return True
+
+    def due(self, now: float, limit: int) -> list[Sequence[int]]:
+        """Take the placements due by ``now``, and the oldest past ``limit`` blocks."""
+        heap, out = self._heap, []
+        while heap and (heap[0][0] <= now or self.blocks > limit or not heap[0][3]):
+            entry = heapq.heappop(heap)
+            if not entry[3]:
+                continue
+            hashes = entry[2]
+            self.blocks -= len(hashes)
+            if self._by_list.get(id(hashes)) is entry:
+                del self._by_list[id(hashes)]
+            out.append(hashes)
+        return out
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._by_list.clear()
+        self.blocks = 0
+
+
+class SettleOnOutcome:
+    """A gateway observer (``Gateway.observers``): each answered request settles its
+    placement (``KVEventSubscriber.settle``)."""
+
+    def __init__(self, settle: Callable[[str, Sequence[int]], None]) -> None:
+        self._settle = settle
+
+    def observe(self, rr: Any, decision: Any, outcome: Any) -> None:
+        self._settle(decision.replica, rr.block_hashes)
