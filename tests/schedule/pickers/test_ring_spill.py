@@ -153,3 +153,24 @@ def test_every_replica_slow_is_the_token_rule_again():
     d = _slow_policy().choose(r, _stuck_owner(r, 9.0, **slow))
     assert (d.replica, d.reason) == (ring[0], "prefix")
     assert "no spill saves more" in d.why
+
+
+def test_the_policy_bounds_requests_in_flight_at_2_5x_the_mean():
+    r = req(640, first=3)
+    ring = _ring(r)
+    # A short-prompt burst: the holder's token queue stays under the cap, but it has every
+    # request in flight. At 7 (8 > ceil(2.5 x 8 / 4) + 2 = 7) it yields to the next on the
+    # ring; at 6 (7 <= 7) it keeps the prefix.
+    for inflight, where in ((7, ring[1]), (6, ring[0])):
+        cands = [
+            Candidate(
+                u, matched_blocks=40 if u == ring[0] else 0, inflight=inflight * (u == ring[0])
+            )
+            for u in URLS
+        ]
+        d = build_named("ring_spill", HashRing(URLS)).choose(r, cands)
+        assert d.replica == where, inflight
+    assert d.filtered == {}
+    off = build_named("ring_spill", HashRing(URLS), {"inflight_bound": 0})
+    cands[URLS.index(ring[0])] = Candidate(ring[0], matched_blocks=40, inflight=50)
+    assert off.choose(r, cands).replica == ring[0]
