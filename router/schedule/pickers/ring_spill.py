@@ -131,15 +131,23 @@ class RingSpillPolicy:
     decode_cost_tokens: float = 8.0
     ttft_cap_s: float = 3.0  # a holder whose observed time to first byte is over it sheds
     inflight_bound: float = 2.5  # load_bound's c on requests in flight now (0: no bound)
+    # replica_set_bound's factor: replicas a prefix may hold per fair share of traffic (0: off)
+    replica_set_factor: float = 1.5
 
     def __post_init__(self) -> None:
         if self.inflight_bound and self.inflight_bound < 1.0:
             raise ValueError(f"inflight_bound must be 0 (off) or >= 1.0, got {self.inflight_bound}")
+        if self.replica_set_factor < 0:
+            raise ValueError(f"replica_set_factor must be >= 0, got {self.replica_set_factor}")
 
     def profile(self) -> ProfileSpec:
-        bound = PluginSpec("load_bound", {"load_bound": self.inflight_bound})
+        filters = []
+        if self.replica_set_factor:  # first: the harder bound, relaxed last
+            filters.append(PluginSpec("replica_set_bound", {"factor": self.replica_set_factor}))
+        if self.inflight_bound:
+            filters.append(PluginSpec("load_bound", {"load_bound": self.inflight_bound}))
         return ProfileSpec(
-            (bound,) if self.inflight_bound else (),
+            tuple(filters),
             (
                 PluginSpec("uncached_prefill"),
                 PluginSpec("queued_tokens"),

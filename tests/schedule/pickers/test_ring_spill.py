@@ -174,3 +174,41 @@ def test_the_policy_bounds_requests_in_flight_at_2_5x_the_mean():
     off = build_named("ring_spill", HashRing(URLS), {"inflight_bound": 0})
     cands[URLS.index(ring[0])] = Candidate(ring[0], matched_blocks=40, inflight=50)
     assert off.choose(r, cands).replica == ring[0]
+
+
+def _spill_case(r):
+    """The owner holds ``r``'s prefix with 5,000 tokens queued; ring[1] is idle."""
+    ring = _ring(r)
+    queue = {ring[0]: 5000, ring[1]: 0, ring[2]: 2000, ring[3]: 2000}
+    cands = [
+        Candidate(u, matched_blocks=40 if u == ring[0] else 0, pending_prefill_tokens=queue[u])
+        for u in URLS
+    ]
+    return ring, cands
+
+
+def test_a_cold_prefix_over_the_cap_stays_on_its_holder_once_others_dominate_traffic():
+    cold, hot = req(640, first=3), req(640, first=4)
+    ring, cands = _spill_case(cold)
+    p = _policy()
+    assert p.choose(cold, cands).replica == ring[1]  # no history: free to spill
+    for _ in range(40):  # another prefix's traffic: cold's share is 1 / 41 -> 1 replica
+        p.placed(p.choose(hot, [Candidate(u) for u in URLS]))
+    d = p.choose(cold, cands)
+    assert (d.replica, d.reason) == (ring[0], "prefix")
+    assert set(d.filtered) == set(URLS) - {ring[0]}
+    assert set(d.filtered.values()) == {"replica_set_bound"}
+    off = build_named(
+        "ring_spill", HashRing(URLS), {"queue_cap_tokens": CAP, "replica_set_factor": 0}
+    )
+    assert off.choose(cold, cands).replica == ring[1]  # without the bound it spills
+
+
+def test_a_hot_prefix_still_spills_within_its_share():
+    hot = req(640, first=3)
+    ring, cands = _spill_case(hot)
+    p = _policy()
+    for _ in range(40):  # all the traffic is this prefix's: 1.5 x 1 x 4 -> every replica
+        p.placed(p.choose(hot, [Candidate(u) for u in URLS]))
+    d = p.choose(hot, cands)
+    assert (d.replica, d.reason, d.cause) == (ring[1], "spill", "queue_cap")
