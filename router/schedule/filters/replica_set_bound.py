@@ -30,7 +30,7 @@ class ReplicaSetBound:
 
     @dataclass(frozen=True)
     class Params:
-        factor: float = 1.5  # replicas per "fair share" of traffic a prefix may occupy
+        factor: float = 1.0  # replicas per "fair share" of traffic a prefix may occupy
         half_life_s: float = 30.0  # of the per-prefix request counts
 
         def __post_init__(self) -> None:

@@ -132,7 +132,7 @@ class RingSpillPolicy:
     ttft_cap_s: float = 3.0  # a holder whose observed time to first byte is over it sheds
     inflight_bound: float = 2.5  # load_bound's c on requests in flight now (0: no bound)
     # replica_set_bound's factor: replicas a prefix may hold per fair share of traffic (0: off)
-    replica_set_factor: float = 1.5
+    replica_set_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.inflight_bound and self.inflight_bound < 1.0:

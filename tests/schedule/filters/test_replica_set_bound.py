@@ -5,7 +5,7 @@ spread only as far as its traffic says."""
 from __future__ import annotations
 
 from router.schedule import Candidate, HashRing, PluginSpec, build_named, registry
-from router.schedule.recent import RecentCounts
+from router.schedule.recent import PrefixRates, RecentCounts
 from router.schedule.types import Cycle, Decision
 from tests.schedule.common import req
 
@@ -39,20 +39,20 @@ def _removed(f, r, holders: int, clock: Clock) -> set[str]:
 
 def test_a_prefix_with_a_small_share_keeps_to_its_one_holder():
     clock = Clock()
-    f = _filter()
-    _place(f, HOT, 30, clock)
+    f = _filter()  # factor 1
+    _place(f, HOT, 20, clock)
     _place(f, COLD, 2, clock)
-    # COLD's share (2 + 1) / 33 -> 1.5 x 0.09 x 8 = 1.09 -> 2 allowed, it has 1: free to spill
+    # COLD's share (2 + 1) / 23 -> 1 x 0.13 x 8 = 1.04 -> 2 allowed, it has 1: free to spill
     assert _removed(f, COLD, 1, clock) == set()
     _place(f, HOT, 60, clock)
-    # now (2 + 1) / 93 -> 0.39 -> 1 allowed: everyone but the holder is removed
+    # now (2 + 1) / 83 -> 0.29 -> 1 allowed: everyone but the holder is removed
     assert _removed(f, COLD, 1, clock) == set(URLS[1:])
     assert _removed(f, COLD, 0, clock) == set()  # nobody holds it: anywhere
 
 
 def test_a_hot_prefix_grows_to_its_share_then_stops():
     clock = Clock()
-    f = _filter()
+    f = _filter(factor=1.5)
     _place(f, HOT, 30, clock)
     _place(f, COLD, 60, clock)
     # HOT's share 31 / 91 -> 1.5 x 0.34 x 8 = 4.09 -> 5 replicas
@@ -60,8 +60,8 @@ def test_a_hot_prefix_grows_to_its_share_then_stops():
         assert _removed(f, HOT, holders, clock) == set(), holders
     assert _removed(f, HOT, 5, clock) == set(URLS[5:])
     assert _removed(f, HOT, 6, clock) == set(URLS[6:])
-    # a smaller factor bounds it sooner: 1 x 0.34 x 8 = 2.7 -> 3
-    g = _filter(factor=1.0)
+    # the default factor 1 bounds it sooner: 1 x 0.34 x 8 = 2.7 -> 3
+    g = _filter()
     _place(g, HOT, 30, clock)
     _place(g, COLD, 60, clock)
     assert _removed(g, HOT, 2, clock) == set()
@@ -74,10 +74,11 @@ def test_the_set_shrinks_as_the_prefix_cools():
     _place(f, HOT, 60, clock)
     _place(f, COLD, 30, clock)
     assert _removed(f, HOT, 5, clock) == set()  # 61 / 91 -> 5.4 -> 6 allowed
+    assert _removed(f, HOT, 6, clock) == set(URLS[6:])
     clock.now = 30.0  # HOT stops; COLD keeps sending
     _place(f, COLD, 60, clock)
-    # HOT decayed to 7.5, total 71.25: 8.5 / 72.25 -> 1.41 -> 2 allowed
-    assert _removed(f, HOT, 2, clock) == set(URLS[2:])
+    # HOT decayed to 7.5, total 71.25: 8.5 / 72.25 x 8 = 0.94 -> 1 allowed
+    assert _removed(f, HOT, 1, clock) == set(URLS[1:])
 
 
 def test_the_pipeline_counts_placements_not_explains():
@@ -91,3 +92,13 @@ def test_the_pipeline_counts_placements_not_explains():
     p.placed(d)
     assert f.rates.count(d.prefix_key, clock()) == 1.0
     assert f.rates.total(clock()) == 1.0
+
+
+def test_one_off_prefixes_are_forgotten():
+    rates = PrefixRates(half_life_s=1.0)
+    for i in range(PrefixRates.SWEEP - 1):
+        rates.add(i, 0.0)
+    assert len(rates) == PrefixRates.SWEEP - 1
+    rates.add(-1, 60.0)  # a minute of half-lives later: the sweep drops the decayed ones
+    assert len(rates) == 1
+    assert rates.count(-1, 60.0) == 1.0
