@@ -164,6 +164,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--sim-prefill-tps", type=float, help="prefill tokens/s (default 200000)")
     s.add_argument("--sim-decode-tps", type=float, help="decode tokens/s (default 2000)")
+    s.add_argument(
+        "--sim-decode-cost",
+        type=float,
+        help="prefill tokens of replica time per output token (decode load; default 0)",
+    )
     s.add_argument("--sim-gpu-blocks", type=int, help="KV blocks per replica (default 4096)")
     s.add_argument("--sim-block-size", type=int, help="block size (default 16)")
     s.add_argument(
@@ -318,6 +323,7 @@ def sim_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for flag, key in (
         ("sim_prefill_tps", "prefill_tokens_per_s"),
         ("sim_decode_tps", "decode_tokens_per_s"),
+        ("sim_decode_cost", "decode_cost_tokens"),
         ("sim_gpu_blocks", "num_gpu_blocks"),
         ("sim_block_size", "block_size"),
     ):
@@ -377,6 +383,7 @@ def check_args(args: argparse.Namespace) -> None:
     at_least("--sim-gpu-blocks", args.sim_gpu_blocks, 1)
     positive("--sim-prefill-tps", args.sim_prefill_tps)
     positive("--sim-decode-tps", args.sim_decode_tps)
+    at_least("--sim-decode-cost", args.sim_decode_cost, 0)
     for flag in ("conversations", "tenants", "system_words", "max_tokens", "num_prefixes"):
         at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     positive("--rate", args.rate)
@@ -510,6 +517,7 @@ async def _compare_in_processes(
     flags = {
         "prefill_tokens_per_s": "--prefill-tokens-per-s",
         "decode_tokens_per_s": "--decode-tokens-per-s",
+        "decode_cost_tokens": "--decode-cost-tokens",
         "num_gpu_blocks": "--num-gpu-blocks",
         "block_size": "--block-size",
     }

@@ -37,7 +37,7 @@ from router.blocks import block_hashes, cacheable_blocks
 from router.index.memory import MemoryIndex
 from router.request import RoutedRequest
 from router.schedule import Candidate, Decision, HashRing, Pipeline, build_named
-from router.schedule.observed import ObservedTTFT
+from router.schedule.observed import ObservedTTFT, is_wait_sample
 from router.schedule.recent import RecentCounts
 
 T = TypeVar("T")
@@ -319,7 +319,8 @@ class Sim:
     def _first(self, r: Req) -> None:
         rep = self.replicas[r.replica]
         r.t_first = self.now
-        rep.observed[r.gateway].observe(r.t_first - r.t_send)
+        if is_wait_sample(True, 200, r.uncached_predicted):  # as Gateway.learn does
+            rep.observed[r.gateway].observe(r.t_first - r.t_send)
         rep.busy_until = None
         rep.idle_since = self.now
         rep.debt += len(r.output) * self.fp.decode_cost_tokens

@@ -98,7 +98,8 @@ class Replica:
     spared_at: float | None = None  # last time the ejection cap kept it in (rate-limits a log)
     window: ErrorWindow = field(default_factory=lambda: ErrorWindow(10.0))
     latency: Latency = field(default_factory=Latency.new)
-    # Time to first streamed byte this gateway observes, decayed (ring_spill's ttft cap).
+    # Time to first streamed byte of mostly cached requests (its wait), decayed; the gateway
+    # feeds it (``Gateway.learn``) and ring_spill's ttft cap reads it.
     ttft: ObservedTTFT = field(default_factory=ObservedTTFT)
 
     @property
@@ -272,8 +273,6 @@ class Fleet:
         replica.failures = 0
         if status < 400 and first_byte_s is not None:
             replica.latency.observe(stream, first_byte_s, completion_tokens)
-            if stream:  # a whole answer's time is not a time to first token
-                replica.ttft.observe(first_byte_s)
             self.latency.observe(stream, first_byte_s, completion_tokens)
 
     async def _judge(self, replica: Replica, why: str) -> None:

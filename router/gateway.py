@@ -43,6 +43,7 @@ from router.prompt import NeedsThread, Renderer, segments
 from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision, HashRing, from_config
+from router.schedule.observed import is_wait_sample
 from router.shared_state import FleetSync
 from router.tenancy import SaltDecision, Tenancy
 from router.upstream import UpstreamPool
@@ -532,6 +533,10 @@ class Gateway:
         self.metrics.child(self.metrics.upstream_ttft, decision.replica).observe(
             outcome.first_byte_s
         )
+        uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
+        replica = self.fleet.replicas.get(decision.replica) if self.fleet else None
+        if replica is not None and is_wait_sample(rr.stream, outcome.status, uncached):
+            replica.ttft.observe(outcome.first_byte_s)
         predicted = decision.matched_blocks * rr.block_size
         self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
         for observer in self.observers:

@@ -22,9 +22,10 @@ from router.request import RoutedRequest
 # Scorers whose terms are integers (token and request counts), so that with integral
 # weights every cost is an exactly represented integer and adding the same number to every
 # candidate's ``uncached_prefill`` (the estimate of the untokenized rest) changes no
-# comparison. Filters and pickers here never read the prompt length.
+# comparison. Filters and pickers here never read the prompt length (replica_set_bound reads
+# only block 0's key and whether a candidate holds a block, as ring_spill's picker does).
 _INTEGER_SCORERS = frozenset({"uncached_prefill", "queued_tokens", "inflight"})
-_LENGTH_BLIND_FILTERS = frozenset({"load_bound", "recent_share"})
+_LENGTH_BLIND_FILTERS = frozenset({"load_bound", "recent_share", "replica_set_bound"})
 _LENGTH_BLIND_PICKERS = frozenset(
     {
         "random_min",

@@ -196,6 +196,41 @@ async def test_engine_hits_match_a_reference_model() -> None:
     assert eng.pool.num_used == 0
 
 
+async def test_decode_cost_delays_the_prefills_queued_behind_a_request() -> None:
+    """With decode_cost_tokens, a request's decode takes max_tokens x cost prefill tokens of
+    the FIFO after its prefill (vLLM batches decode with prefill); an idle gap absorbs it."""
+
+    def engine(cost: float) -> Engine:
+        return Engine(
+            block_size=16,
+            num_gpu_blocks=1000,
+            prefill_tokens_per_s=1000.0,
+            decode_tokens_per_s=1000.0,
+            request_overhead_s=0.0,
+            max_num_seqs=8,
+            instant=False,
+            decode_cost_tokens=cost,
+        )
+
+    def seqs() -> list[Seq]:  # two cold prompts of 100 tokens, 50 output tokens each
+        out = []
+        for i in (1, 2):
+            prompt = [i] * 100
+            out.append(Seq(f"r{i}", prompt, [7] * 50, block_hashes(prompt, 16)))
+        return out
+
+    for cost, gap in ((0.0, 0.0), (4.0, 0.2)):  # 50 x 4 = 200 tokens: 0.2 s at 1000 tok/s
+        eng = engine(cost)
+        a, b = seqs()
+        eng.submit([a, b])
+        assert a.prefill_end - a.prefill_start == pytest.approx(0.1)
+        assert b.prefill_start - a.prefill_end == pytest.approx(gap), cost
+        assert a.first_token_at == a.prefill_end  # its own first token is not delayed
+        eng.abort_all()
+    with pytest.raises(ValueError, match="decode_cost_tokens"):
+        SimConfig(decode_cost_tokens=-1)
+
+
 # ------------------------------------------------------------------ prefix-cache rules
 
 

@@ -85,6 +85,13 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         help="output tokens per second of each running request",
     )
     p.add_argument(
+        "--decode-cost-tokens",
+        type=float,
+        default=d["decode_cost_tokens"].default,
+        help="prefill tokens of replica time each output token takes (decode shares the "
+        "steps, delaying the prefills queued behind it; 0: none)",
+    )
+    p.add_argument(
         "--request-overhead-s",
         type=float,
         default=d["request_overhead_s"].default,
@@ -167,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         num_gpu_blocks=args.num_gpu_blocks,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s,
+        decode_cost_tokens=args.decode_cost_tokens,
         request_overhead_s=args.request_overhead_s,
         max_tokens_default=args.max_tokens_default,
         max_num_seqs=args.max_num_seqs,

@@ -20,6 +20,9 @@ class SimConfig:
     num_gpu_blocks: int = 4096  # finite pool, LRU eviction of free cached blocks
     prefill_tokens_per_s: float = 200_000.0  # uncached prompt tokens/s, one FIFO per replica
     decode_tokens_per_s: float = 2_000.0  # per running sequence
+    # Replica time one output token takes from prefill, in prefill tokens (vLLM batches decode
+    # and prefill in one step): a request's decode delays the prefills queued after it.
+    decode_cost_tokens: float = 0.0
     request_overhead_s: float = 0.0005  # fixed, per request, before the first token
     max_tokens_default: int = 16  # when the request gives no max_tokens/max_completion_tokens
     max_num_seqs: int = 256
@@ -55,6 +58,9 @@ class SimConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"SimConfig.{name} must be a positive number, got {v!r}")
+        v = self.decode_cost_tokens
+        if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
+            raise ValueError(f"SimConfig.decode_cost_tokens must be >= 0, got {v!r}")
         if not (
             isinstance(self.request_overhead_s, (int, float))
             and 0 <= self.request_overhead_s < math.inf

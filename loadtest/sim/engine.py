@@ -3,7 +3,9 @@
 Nothing here sleeps or runs a worker task. Every request's future is computed arithmetically
 when it is admitted (prefill start = when the replica's single prefill FIFO frees up, first
 token after its uncached tokens at ``prefill_tokens_per_s``, then one token every
-``1 / decode_tokens_per_s``), and the few moments at which the block pool changes (a decode
+``1 / decode_tokens_per_s``; with ``decode_cost_tokens``, its decode's share of the replica's
+steps, ``max_tokens x decode_cost_tokens`` prefill tokens, occupies the FIFO after its prefill,
+absorbed if the FIFO would sit idle anyway), and the few moments at which the block pool changes (a decode
 step that needs a new block or fills one, the request finishing) are events on a heap,
 processed in virtual-time order whenever anything looks at the engine and by one timer armed
 for the earliest event. HTTP handlers only wait on futures and pace their output, so hundreds
@@ -64,6 +66,7 @@ class Seq:
         "admitted_at",
         "prefill_start",
         "prefill_end",
+        "decode_debt_s",
         "first_token_at",
         "finish_at",
         "next_k",
@@ -101,6 +104,7 @@ class Seq:
         self.num_cached_tokens = 0
         self.arrival = self.admitted_at = 0.0
         self.prefill_start = self.prefill_end = math.inf
+        self.decode_debt_s = 0.0
         self.first_token_at = self.finish_at = math.inf
         self.next_k = 0
         self.num_emitted = 0
@@ -140,6 +144,7 @@ class Engine:
         request_overhead_s: float,
         max_num_seqs: int,
         instant: bool,
+        decode_cost_tokens: float = 0.0,
         metrics: SimMetrics | None = None,
         stats: dict[str, Any] | None = None,
         on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -156,6 +161,7 @@ class Engine:
         self.lora_ids = lora_ids or {}
         self.instant = instant
         self.prefill_rate = prefill_tokens_per_s
+        self.decode_cost = 0.0 if instant else decode_cost_tokens
         self.dt = 0.0 if instant else 1.0 / decode_tokens_per_s
         self.overhead = 0.0 if instant else request_overhead_s
         self.max_num_seqs = max_num_seqs
@@ -222,7 +228,7 @@ class Engine:
             seq.num_emitted = 0
         else:
             seq.num_emitted = seq.tokens_due(now, self.dt)
-            if now < seq.prefill_start and self.next_free_at == seq.prefill_end:
+            if now < seq.prefill_start and self.next_free_at == seq.prefill_end + seq.decode_debt_s:
                 self.next_free_at = seq.prefill_start  # it was the FIFO's tail: refund
             self._release(seq)
         seq.state = ABORTED
@@ -360,7 +366,8 @@ class Engine:
             s.num_cached_tokens = cached
             start = max(t, self.next_free_at)
             end = start if self.instant else start + (p - cached) / self.prefill_rate
-            self.next_free_at = end
+            s.decode_debt_s = s.max_tokens * self.decode_cost / self.prefill_rate
+            self.next_free_at = end + s.decode_debt_s
             s.admitted_at = t
             s.prefill_start, s.prefill_end = start, end
             s.first_token_at = end + self.overhead

@@ -75,6 +75,7 @@ class SimReplica:
             num_gpu_blocks=c.num_gpu_blocks,
             prefill_tokens_per_s=c.prefill_tokens_per_s,
             decode_tokens_per_s=c.decode_tokens_per_s,
+            decode_cost_tokens=c.decode_cost_tokens,
             request_overhead_s=c.request_overhead_s,
             max_num_seqs=c.max_num_seqs,
             instant=c.instant,

@@ -12,6 +12,17 @@ import math
 import time
 from collections.abc import Callable
 
+# Only requests the gateway predicted to prefill at most this many tokens are observed: their
+# time to first byte is the replica's wait, not their own prefill (a first-contact miss of a
+# long system prompt takes seconds on an idle replica and would mark it slow).
+MAX_UNCACHED_TOKENS = 1024
+
+
+def is_wait_sample(stream: bool, status: int, uncached_tokens: int) -> bool:
+    """Whether an answer's time to first byte measures the replica's wait: a streamed
+    success (a whole answer's time is not a time to first token) of a mostly cached prompt."""
+    return stream and status < 400 and uncached_tokens <= MAX_UNCACHED_TOKENS
+
 
 class ObservedTTFT:
     def __init__(
@@ -25,6 +36,7 @@ class ObservedTTFT:
         self.clock = clock
         self._value = 0.0
         self._at = 0.0
+        self.samples = 0
 
     def get(self) -> float:
         if not self._value:
@@ -35,3 +47,4 @@ class ObservedTTFT:
         now = self.get()
         self._value = now + self.alpha * (seconds - now) if now else seconds
         self._at = self.clock()
+        self.samples += 1

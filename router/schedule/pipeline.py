@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.request import RoutedRequest
+from router.schedule.keys import routing_key
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import HashRing
 from router.schedule.types import (
@@ -42,12 +43,16 @@ class Pipeline:
         # Whether a decision needs the index lookup (matched blocks) at all.
         self.uses_index = any(getattr(p, "uses_index", False) for p in plugins)
         self._tracks_recent = any(getattr(p, "uses_recent", False) for p in plugins)
+        # Plugins that keep their own history of placements (``placed(decision, now)``).
+        self._placers = [p for p in plugins if hasattr(p, "placed")]
         self.recent = RecentCounts()
 
     def placed(self, decision: Decision) -> None:
         """The request was sent as decided (not called for explain)."""
         if self._tracks_recent:
             self.recent.add(decision.replica)
+        for p in self._placers:
+            p.placed(decision, self.recent.clock())
 
     def describe(self) -> dict[str, Any]:
         """The profile, for explain and docs."""
@@ -106,6 +111,7 @@ class Pipeline:
             cause=cause,
             holders=sum(1 for s in scored if s.matched_blocks > 0),
             copied_blocks=copied,
+            prefix_key=routing_key(req),
         )
 
 

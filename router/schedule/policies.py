@@ -1,6 +1,7 @@
 """The named policies: each a parameters dataclass composing plugins with weights.
 
-``ttft`` (the default) minimises the estimated time to first token, in prompt-token units:
+``ttft`` (the default) minimises the estimated time to first token, in
+prompt-token units:
 
     cost(r) = uncached_prefill (tokens r must prefill)  x 1
             + queued_tokens    (tokens queued ahead)    x 1
@@ -9,7 +10,8 @@
 
 among the replicas within both bounds (in flight now, and share of recent requests; both
 ``load_bound x mean``), ties broken by ring order; a prefix nobody eligible holds goes to its
-ring owner. The others are baselines for A/B runs.
+ring owner. ``ring_spill`` (pickers/ring_spill.py) keeps a prefix on its holders and spills it
+along its own ring under pressure. The others are baselines for A/B runs.
 """
 
 from __future__ import annotations

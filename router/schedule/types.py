@@ -73,6 +73,7 @@ class Decision:
     cause: str | None = None  # a spill's reason: a short fixed label (the picker's, or derived)
     holders: int = 0  # replicas holding the prompt's first block: the prefix's replica set
     copied_blocks: int = 0  # a spill's blocks new to its replica (each may evict one there)
+    prefix_key: int = 0  # the request's ring key (block 0's hash): whose prefix this is
 
     @property
     def terms(self) -> dict[str, dict[str, float]]:

@@ -7,9 +7,15 @@ is over the cap, to the first replica in ring order whose estimated cost (the sc
 below the cheapest holder's by more than the cap (the spill must pay for the copy it makes),
 else it stays on the cheapest holder. So a hot tenant spills to
 the next replica on its ring, which then holds the copy the following spills reuse, instead of
-seeding copies wherever a queue happens to be short. When everyone is over the cap, the least
-cost. A prefix nobody holds goes to the replica with the shortest queue (ties by ring), so cold
-tenants spread, then stay where they landed.
+seeding copies wherever a queue happens to be short. A prefix nobody holds goes to the replica
+with the shortest queue (ties by ring), so cold tenants spread, then stay where they landed.
+
+The token queue understates a replica's wait when decode shares its steps or other gateways
+filled it since the last load sync. Two inputs see that: ``ttft_cap_s`` (a holder whose observed
+time to first byte on mostly cached prompts, ``Candidate.ttft_s``, is over it counts as over the
+cap, and when no spill beats it on tokens the request goes to the next on the ring within both
+caps), and the policy's in-flight bound (``load_bound`` at ``inflight_bound x`` the mean, looser
+than ttft's 1.25 so a hot prefix is not pushed off its holders by a few decoding requests).
 """
 
 from __future__ import annotations
@@ -117,16 +123,31 @@ class RingSpill:
 @registry.policy("ring_spill")
 @dataclass(frozen=True)
 class RingSpillPolicy:
-    """ttft's cost terms without its share bounds, picked by ``ring_spill``: a prefix stays on
-    its holders until their queues pass the cap, then spills along its own ring."""
+    """ttft's cost terms, a loose in-flight bound (no share bound), picked by
+    ``ring_spill``: a prefix stays on its holders until their queues (or observed times to
+    first byte) pass the caps, then spills along its own ring."""
 
     queue_cap_tokens: float = 1024.0
     decode_cost_tokens: float = 8.0
     ttft_cap_s: float = 3.0  # a holder whose observed time to first byte is over it sheds
+    inflight_bound: float = 2.5  # load_bound's c on requests in flight now (0: no bound)
+    # replica_set_bound's factor: replicas a prefix may hold per fair share of traffic (0: off)
+    replica_set_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.inflight_bound and self.inflight_bound < 1.0:
+            raise ValueError(f"inflight_bound must be 0 (off) or >= 1.0, got {self.inflight_bound}")
+        if self.replica_set_factor < 0:
+            raise ValueError(f"replica_set_factor must be >= 0, got {self.replica_set_factor}")
 
     def profile(self) -> ProfileSpec:
+        filters = []
+        if self.replica_set_factor:  # first: the harder bound, relaxed last
+            filters.append(PluginSpec("replica_set_bound", {"factor": self.replica_set_factor}))
+        if self.inflight_bound:
+            filters.append(PluginSpec("load_bound", {"load_bound": self.inflight_bound}))
         return ProfileSpec(
-            (),
+            tuple(filters),
             (
                 PluginSpec("uncached_prefill"),
                 PluginSpec("queued_tokens"),

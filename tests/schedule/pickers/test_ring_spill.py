@@ -153,3 +153,62 @@ def test_every_replica_slow_is_the_token_rule_again():
     d = _slow_policy().choose(r, _stuck_owner(r, 9.0, **slow))
     assert (d.replica, d.reason) == (ring[0], "prefix")
     assert "no spill saves more" in d.why
+
+
+def test_the_policy_bounds_requests_in_flight_at_2_5x_the_mean():
+    r = req(640, first=3)
+    ring = _ring(r)
+    # A short-prompt burst: the holder's token queue stays under the cap, but it has every
+    # request in flight. At 7 (8 > ceil(2.5 x 8 / 4) + 2 = 7) it yields to the next on the
+    # ring; at 6 (7 <= 7) it keeps the prefix.
+    for inflight, where in ((7, ring[1]), (6, ring[0])):
+        cands = [
+            Candidate(
+                u, matched_blocks=40 if u == ring[0] else 0, inflight=inflight * (u == ring[0])
+            )
+            for u in URLS
+        ]
+        d = build_named("ring_spill", HashRing(URLS)).choose(r, cands)
+        assert d.replica == where, inflight
+    assert d.filtered == {}
+    off = build_named("ring_spill", HashRing(URLS), {"inflight_bound": 0})
+    cands[URLS.index(ring[0])] = Candidate(ring[0], matched_blocks=40, inflight=50)
+    assert off.choose(r, cands).replica == ring[0]
+
+
+def _spill_case(r):
+    """The owner holds ``r``'s prefix with 5,000 tokens queued; ring[1] is idle."""
+    ring = _ring(r)
+    queue = {ring[0]: 5000, ring[1]: 0, ring[2]: 2000, ring[3]: 2000}
+    cands = [
+        Candidate(u, matched_blocks=40 if u == ring[0] else 0, pending_prefill_tokens=queue[u])
+        for u in URLS
+    ]
+    return ring, cands
+
+
+def test_a_cold_prefix_over_the_cap_stays_on_its_holder_once_others_dominate_traffic():
+    cold, hot = req(640, first=3), req(640, first=4)
+    ring, cands = _spill_case(cold)
+    p = _policy()
+    assert p.choose(cold, cands).replica == ring[1]  # no history: free to spill
+    for _ in range(40):  # another prefix's traffic: cold's share is 1 / 41 -> 1 replica
+        p.placed(p.choose(hot, [Candidate(u) for u in URLS]))
+    d = p.choose(cold, cands)
+    assert (d.replica, d.reason) == (ring[0], "prefix")
+    assert set(d.filtered) == set(URLS) - {ring[0]}
+    assert set(d.filtered.values()) == {"replica_set_bound"}
+    off = build_named(
+        "ring_spill", HashRing(URLS), {"queue_cap_tokens": CAP, "replica_set_factor": 0}
+    )
+    assert off.choose(cold, cands).replica == ring[1]  # without the bound it spills
+
+
+def test_a_hot_prefix_still_spills_within_its_share():
+    hot = req(640, first=3)
+    ring, cands = _spill_case(hot)
+    p = _policy()
+    for _ in range(40):  # all the traffic is this prefix's: 1.5 x 1 x 4 -> every replica
+        p.placed(p.choose(hot, [Candidate(u) for u in URLS]))
+    d = p.choose(hot, cands)
+    assert (d.replica, d.reason, d.cause) == (ring[1], "spill", "queue_cap")
