@@ -53,6 +53,7 @@ from loadtest.metrics_scrape import parse_prometheus
 from loadtest.procs import Proc, running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RunResult, run_workload
 from loadtest.workloads import RequestSpec, Workload
+from router.schedule.registry import DEFAULT_POLICY
 
 DECISION = "prefix_router_decision_seconds"
 WORDS = [
@@ -98,7 +99,7 @@ class MultiGatewayTarget(GatewayTarget):
         spread: str = "request",
         seed: int = 0,
         name: str | None = None,
-        policy: str = "ttft",
+        policy: str = DEFAULT_POLICY,
     ) -> None:
         if not urls:
             raise ValueError("need at least one gateway URL")
@@ -630,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--gateways", type=int, default=3)
     p.add_argument("--spread", choices=SPREADS, default="request")
-    p.add_argument("--policy", default="ttft", help="gateway policy")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help="gateway policy")
     p.add_argument("--redis-url", help="use this Redis instead of spawning redis-server")
     p.add_argument("--sync-interval-s", type=float, default=0.5, help="gateway sync interval")
     p.add_argument("--redis-timeout-ms", type=float, default=10.0, help="Redis lookup timeout")

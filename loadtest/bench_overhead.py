@@ -28,6 +28,7 @@ import aiohttp
 import numpy as np
 
 from loadtest.procs import Proc, free_port, running, start, start_gateway, wait_ready
+from router.schedule.registry import DEFAULT_POLICY
 
 WORDS = [
     "alpha",
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "first), interleaved, instead of the --workers runs",
     )
     p.add_argument("--stream", action="store_true", help="streaming requests")
-    p.add_argument("--policy", default="ttft")
+    p.add_argument("--policy", default=DEFAULT_POLICY)
     p.add_argument(
         "--workers",
         type=int,

@@ -162,7 +162,7 @@ def check_args(a: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from router.schedule import policy_names
+    from router.schedule import DEFAULT_POLICY, policy_names
 
     p = OneLineParser(
         prog="prefix-router demo",
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument(
         "--policies",
-        default="ttft,round_robin",
+        default=f"{DEFAULT_POLICY},round_robin",
         help=f"comma-separated: gateway policies ({', '.join(policy_names())}) "
         "and client-side baselines (client:round_robin, "
         "client:random); the first is compared with the last. Both defaults run through the "

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from router.schedule import ScheduleError, check_config, policy_names
+from router.schedule import DEFAULT_POLICY, ScheduleError, check_config, policy_names
 from router.schedule.spec import lift as lift_schedule
 
 ENV_PREFIX = "PREFIX_ROUTER_"
@@ -56,9 +56,10 @@ class Config:
         "vllm:cache_config_info, else 16)",
     )
     policy: str = _opt(
-        "ttft",
-        f"routing policy: {', '.join(policy_names())} (ttft: lowest estimated time to first "
-        "token; the others are baselines)",
+        DEFAULT_POLICY,
+        f"routing policy: {', '.join(policy_names())} (ring_spill: keep a prefix on as few "
+        "replicas as its traffic needs, spill along its own ring under pressure; ttft: lowest "
+        "estimated time to first token; the others are baselines)",
     )
     metrics_port: int | None = _opt(
         None,

@@ -174,7 +174,7 @@ def test_help_names_the_real_programs_and_no_markup(capsys: pytest.CaptureFixtur
         assert "python -m" not in out and "``" not in out and "::" not in out, argv
         flat = " ".join(out.split())  # argparse wraps lines where the text happens to end
         if argv[0] == "demo":
-            assert "(default: 2048)" in flat and "(default: ttft,round_robin)" in flat
+            assert "(default: 2048)" in flat and "(default: ring_spill,round_robin)" in flat
         if argv[0] == "explain":
             assert "(default: 16)" in flat
         if argv[1:2] == ["compare"]:

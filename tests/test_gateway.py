@@ -294,7 +294,9 @@ async def test_models_health_ready_metrics(fleet, gateway):
         await post(s, gw.url + "/v1/chat/completions", chat_body("m"))
         async with s.get(gw.url + "/metrics") as resp:
             text = await resp.text()
-        assert 'prefix_router_requests_total{outcome="ok",policy="ttft"' in text
+        assert (
+            'prefix_router_requests_total{outcome="ok",policy="ring_spill"' in text
+        )  # the default
         assert "prefix_router_tokenize_seconds_bucket" in text
         for r in replicas:
             r.health_status = 503

@@ -170,8 +170,9 @@ def test_policies_that_read_more_than_integer_costs_stay_exact() -> None:
         ({}, True),
         ({"policy": "sticky_prefix"}, True),
         ({"policy": "ring_spill"}, True),
-        ({"schedule": {"policy": "ttft", "params": {"kv_pressure": 500}}}, False),
-        ({"decode_cost_tokens": 7.5}, False),
+        ({"policy": "ttft", "schedule": {"policy": "ttft", "params": {"kv_pressure": 500}}}, False),
+        ({"policy": "ttft", "decode_cost_tokens": 7.5}, False),
+        ({"policy": "ttft"}, True),
     ]:
         config = load_config(None, env={}, replicas=["http://x"], **overrides)
         assert (policy_allows(from_config(config, ring)) is None) == allowed, overrides

@@ -7,7 +7,14 @@
 from router.schedule import filters, pickers, registry, scorers  # noqa: F401 (plugins register)
 from router.schedule.pipeline import Pipeline
 from router.schedule.policies import POLICIES, build_policy
-from router.schedule.registry import PluginSpec, ProfileSpec, build, build_named, policy_names
+from router.schedule.registry import (
+    DEFAULT_POLICY,
+    PluginSpec,
+    ProfileSpec,
+    build,
+    build_named,
+    policy_names,
+)
 from router.schedule.ring import HashRing
 from router.schedule.spec import check_config, from_config
 from router.schedule.types import (
@@ -38,5 +45,6 @@ __all__ = [
     "check_config",
     "from_config",
     "policy_names",
+    "DEFAULT_POLICY",
     "registry",
 ]

@@ -1,7 +1,8 @@
 """The named policies: each a parameters dataclass composing plugins with weights.
 
-``ttft`` (the default) minimises the estimated time to first token, in
-prompt-token units:
+``ring_spill`` (the default, pickers/ring_spill.py) keeps a prefix on as few replicas as its
+traffic needs and spills it along its own ring under pressure. ``ttft`` minimises the
+estimated time to first token, in prompt-token units:
 
     cost(r) = uncached_prefill (tokens r must prefill)  x 1
             + queued_tokens    (tokens queued ahead)    x 1

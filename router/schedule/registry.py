@@ -15,6 +15,7 @@ from router.schedule.types import ScheduleError, parse_params
 Kind = Literal["filter", "scorer", "picker"]
 _PLUGINS: dict[Kind, dict[str, type[Any]]] = {"filter": {}, "scorer": {}, "picker": {}}
 _POLICIES: dict[str, type[Any]] = {}
+DEFAULT_POLICY = "ring_spill"  # docs/scheduling.md: the pressure and light-load figures
 
 T = TypeVar("T", bound=type[Any])
 
@@ -62,8 +63,8 @@ def names(kind: Kind) -> list[str]:
 
 
 def policy_names() -> list[str]:
-    """Every registered policy, the default (``ttft``) first."""
-    return sorted(_POLICIES, key=lambda n: (n != "ttft", n))
+    """Every registered policy, the default first."""
+    return sorted(_POLICIES, key=lambda n: (n != DEFAULT_POLICY, n))
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def test_flags_beat_the_files_schedule_params(tmp_path):
 @pytest.mark.parametrize(
     "schedule,message",
     [
-        ({"policy": "fastest"}, "unknown policy 'fastest'; choose from ttft, "),
+        ({"policy": "fastest"}, "unknown policy 'fastest'; choose from ring_spill, "),
         ({"policy": "ttft", "params": {"c": 2}}, "unknown parameter 'c'; valid: load_bound, "),
         ({"policy": "round_robin", "params": {"load_bound": 2}}, "takes no parameters"),
         ({"policy": "ttft", "params": {"kv_pressure": "lots"}}, "kv_pressure must be float"),
