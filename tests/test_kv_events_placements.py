@@ -70,7 +70,9 @@ async def test_placements_the_events_never_confirm_are_retracted(fleet, gateway)
         placed_only |= await prompt_blocks(gw, b)
     assert not placed_only & truth(r)  # the replica never computed them
 
-    await sub.wait(lambda: held(gw, r.url) == truth(r))
+    # Settled at the outcome (~1 s) or, for a placement no outcome settled, timeout_s (10 s)
+    # after it: either way retracted, where without the check it would stay until LRU.
+    await sub.wait(lambda: held(gw, r.url) == truth(r), timeout=30.0)
     assert not placed_only & held(gw, r.url)
     assert stream.placements.retracted >= len(placed_only)
     async with aiohttp.ClientSession() as session, session.get(gw.url + "/metrics") as resp:
@@ -142,3 +144,16 @@ def test_a_settled_placement_is_due_sooner_and_the_limit_checks_the_soonest_firs
     assert p.due(0.0, limit=3) == [a]  # past the limit: checked early, soonest deadline first
     assert p.due(25.0, limit=100) == [c]
     assert (p.blocks, len(p)) == (0, 0)
+
+
+def test_an_answer_settles_the_placements_of_its_prompts_prefixes():
+    """A lazy head's record (the prompt's first blocks, a list of its own) is settled by the
+    answer to the whole prompt, as the chained last hash names the whole prefix."""
+    p = Placements()
+    head, full, other = [1, 2], [1, 2, 3, 4], [7, 8]
+    p.add(10.0, head)
+    p.add(10.0, full)
+    p.add(10.0, other)
+    assert p.settle(1.0, full)
+    assert sorted(p.due(1.0, limit=100)) == [head, full]
+    assert p.due(10.0, limit=100) == [other]

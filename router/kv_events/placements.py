@@ -27,6 +27,10 @@ class Placements:
         # [deadline, order, hashes, valid]; a moved entry is invalidated and pushed anew
         self._heap: list[list[Any]] = []
         self._by_list: dict[int, list[Any]] = {}
+        # The newest entry per last block hash: an answered request settles every placement
+        # that is a prefix of its prompt (a chained hash names its whole prefix), such as the
+        # lazy tail's head record, made before the rest of the prompt was tokenized.
+        self._by_last: dict[int, list[Any]] = {}
         self._order = itertools.count()
         self.blocks = 0  # blocks over the valid entries (a block placed twice counts twice)
         self.retracted = 0  # blocks retracted so far
@@ -39,19 +43,29 @@ class Placements:
             entry = [deadline, next(self._order), block_hashes, True]
             heapq.heappush(self._heap, entry)
             self._by_list[id(block_hashes)] = entry  # the entry keeps the list (and its id)
+            self._by_last[block_hashes[-1]] = entry
             self.blocks += len(block_hashes)
 
     def settle(self, deadline: float, block_hashes: Sequence[int]) -> bool:
-        """The placement's request is answered: check it at ``deadline`` if that is sooner.
-        False when no entry holds this list (placed while the stream was down, or checked)."""
-        entry = self._by_list.get(id(block_hashes))
-        if entry is None or entry[2] is not block_hashes:
-            return False
-        if deadline < entry[0]:
-            entry[3] = False
-            self.blocks -= len(block_hashes)
-            self.add(deadline, block_hashes)
-        return True
+        """The placement's request is answered: check it, and every placement of a prefix of
+        its prompt, at ``deadline`` if that is sooner. False when no entry holds this list
+        (placed while the stream was down, or checked)."""
+        mine = self._by_list.get(id(block_hashes))
+        found = mine is not None and mine[2] is block_hashes
+        entries: list[list[Any]] = [mine] if mine is not None and found else []
+        by_last = self._by_last
+        if by_last:
+            for h in block_hashes:
+                entry = by_last.get(h)
+                if entry is not None and entry is not mine and entry[3]:
+                    entries.append(entry)
+        for due in entries:
+            if deadline < due[0]:
+                hashes = due[2]
+                due[3] = False
+                self.blocks -= len(hashes)
+                self.add(deadline, hashes)
+        return found
 
     def due(self, now: float, limit: int) -> list[Sequence[int]]:
         """Take the placements due by ``now``, and the oldest past ``limit`` blocks."""
@@ -64,12 +78,15 @@ class Placements:
             self.blocks -= len(hashes)
             if self._by_list.get(id(hashes)) is entry:
                 del self._by_list[id(hashes)]
+            if self._by_last.get(hashes[-1]) is entry:
+                del self._by_last[hashes[-1]]
             out.append(hashes)
         return out
 
     def clear(self) -> None:
         self._heap.clear()
         self._by_list.clear()
+        self._by_last.clear()
         self.blocks = 0
 
 
