@@ -9,7 +9,9 @@ system prompt repeats and the user turn is new on every request, the common case
 either, 64 distinct bodies repeat). ``--lazy-ab`` also runs the gateway with
 ``--no-lazy-tail`` in the same run. Prints, per target: latency
 p50/p99 at concurrency 1 and the added latency over direct; throughput at ``--concurrency``
-and its ratio to direct; the gateway's CPU per request and resident memory.
+and its ratio to direct; the gateway's CPU per request and resident memory. Every run also
+measures the Python floor (``loadtest.passthrough``: aiohttp in, the gateway's client out,
+no routing), so the table shows what the HTTP path costs before any routing.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ WORDS = [
     "ticket",
     "escalate",
 ]
+
+
+FLOOR = "python floor, no routing"
 
 
 def text_of_tokens(n_tokens: int, rng: random.Random) -> str:
@@ -351,6 +356,17 @@ async def run(a: argparse.Namespace) -> int:
             if workers == 1 and lazy and a.memory_prefixes:
                 memory = await memory_phase(gw, a.memory_prefixes, a.concurrency)
             gw.stop()
+
+        # The Python HTTP path alone (aiohttp in, the gateway's client out, no routing): what
+        # is left of the gateway's cost once routing is free.
+        port = free_port()
+        fcmd = [sys.executable, "-m", "loadtest.passthrough", "--port", str(port)]
+        fcmd += [x for b in backends for x in ("--replica", b)]
+        floor = start("python floor", fcmd, [f"http://127.0.0.1:{port}"])
+        procs.append(floor)
+        await wait_ready(floor.url, "/health")
+        results.append(await measure(FLOOR, [floor.url], bodies, *n, floor))
+        floor.stop()
 
         if a.peers:
             for name, pcmd in peer_commands(backends, free_port()).items():
