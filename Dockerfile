@@ -37,8 +37,10 @@ COPY router ./router
 # the [loadtest] extra, which the image leaves out.
 COPY loadtest ./loadtest
 # A regular (non-editable) install: the venv is self-contained and /src is left behind.
+# With fastokens (the [fast-tokenizer] extra, pinned): exact, self-checked at start-up, and
+# ~50x faster BPE for new text.
 # Byte-compile everything now: the runtime root filesystem may be read-only.
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir . fastokens==0.3.5 \
     && python -m compileall -q /opt/venv/lib
 
 # ---------------------------------------------------------------------------- runtime

@@ -52,7 +52,9 @@ log = logging.getLogger("prefix_router")
 
 DEFAULT_BLOCK_SIZE = 16
 APP_HEADER = "X-Prefix-Router-App"  # optional client label that diagnostics group by
-INLINE_UNCACHED_CHARS = 4096  # more new text than this is tokenized in a thread (~1 ms)
+# More new text than this is tokenized in a worker thread (~1 ms with Hugging Face's BPE;
+# Renderer.loop_encode_chars raises it where a thread cannot help).
+INLINE_UNCACHED_CHARS = 4096
 LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a thread
 
 
@@ -290,7 +292,7 @@ class Gateway:
             try:
                 # Cached segments cost microseconds: tokenize in place, and hand a prompt with
                 # a lot of new text to a thread (the Rust tokenizer releases the GIL there).
-                with self._renderer().inline(INLINE_UNCACHED_CHARS):
+                with self._renderer().inline(self._loop_encode_chars()):
                     if lazy and self.lazy_tail:
                         token_ids = self._tokenize_lazy(admitted)
                     else:
@@ -302,12 +304,12 @@ class Gateway:
         hashes = self._hashes(ids, admitted.lora, salt.salt)
         extras: dict[str, Any] = {"raw": raw if body is admitted.client_body else None}
         if head is not None:  # the rest is tokenized once the request is on its way
-            begin = functools.partial(
-                loop.run_in_executor, self.executor, self._finish, head, salt.salt
-            )
+            finish = functools.partial(self._finish, head, salt.salt)
+            begin = functools.partial(loop.run_in_executor, self.executor, finish)
             limit = self.config.max_hashed_blocks
             capped = limit is not None and len(hashes) >= limit
-            extras["tail"] = lazy_tail.Tail(begin, len(hashes), capped)
+            inline = finish if self._tail_inline(head) else None
+            extras["tail"] = lazy_tail.Tail(begin, len(hashes), capped, inline)
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
         limits = admitted.chat if admitted.chat is not None else body
         max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
@@ -340,6 +342,20 @@ class Gateway:
             max_blocks=self.config.max_hashed_blocks,
         )
 
+    def _loop_encode_chars(self) -> int:
+        return self._renderer().loop_encode_chars(INLINE_UNCACHED_CHARS)
+
+    def _lazy_min_rest(self) -> int:
+        """Below this much text from the first new segment on, a head is not worth its
+        overhead (a second pass, the hand-off, ~0.2 ms a request): with fastokens, the rest
+        the loop would encode in place anyway; with Hugging Face's BPE (~2.5 ms per 1,000
+        tokens), any rest."""
+        return self._loop_encode_chars() if self._renderer().fast_encoder else 0
+
+    def _tail_inline(self, head: Head) -> bool:
+        """Whether a head's rest is small enough to tokenize on the loop once it is sent."""
+        return head.rest_chars <= self._loop_encode_chars()
+
     def _finish(self, head: Head, salt: str | None) -> Sequence[int]:
         """A head's full ids, in a worker thread (the segment cache scoped as in prepare)."""
         with self._renderer().cache_scope(salt):
@@ -350,7 +366,10 @@ class Gateway:
         tail = lazy_tail.tail_of(rr)
         if tail is None or tail.full is not None:
             return lazy_tail.latest(rr)
-        ids = await asyncio.shield(tail.ids())
+        if tail.finish_inline is not None and not tail.started:
+            ids = tail.finish_inline()  # a small rest: no thread hand-off
+        else:
+            ids = await asyncio.shield(tail.ids())
         if tail.full is None:
             head = rr.token_ids
             if ids[: len(head)] != head:  # cannot happen (tests/test_lazy_tail.py): stay safe
@@ -402,7 +421,7 @@ class Gateway:
             return self._tokenize(admitted)
         renderer = self._renderer()
         with renderer.cache_scope(admitted.salt.salt):
-            return renderer.chat_head(admitted.chat, self.block_size)
+            return renderer.chat_head(admitted.chat, self.block_size, self._lazy_min_rest())
 
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
         renderer = self._renderer()
@@ -485,8 +504,12 @@ class Gateway:
     async def record_placement(self, rr: RoutedRequest, decision: Decision) -> None:
         """The chosen replica will hold the prompt's blocks. Runs while the request is on
         its way (``UpstreamPool.post``), and before anything else runs on this loop. A lazy
-        head's blocks are recorded now, the full prompt's once its tail is tokenized."""
+        head's blocks are recorded now, the full prompt's once its tail is tokenized; a
+        small tail is tokenized here, now that the replica has the request, and recorded
+        once."""
         rr = lazy_tail.latest(rr)
+        if (tail := lazy_tail.tail_of(rr)) is not None and tail.finish_inline is not None:
+            rr = await self.complete(rr)
         if lazy_tail.pending(rr):
             self.spawn(self._record_tail(rr, decision))
         if self.fleet_mode is None:

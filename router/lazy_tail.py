@@ -7,7 +7,8 @@ only when the index shows a block of it that no candidate holds (``Tail.decides`
 hashes mean none holds anything after it either, so the full hashes would match exactly the
 same counts. Otherwise it waits for the full ids (exact, just not lazy). Everything after the
 decision that keeps state (the index record, learning, diagnostics, metrics) uses the full
-request once the worker thread has it.
+request: a small rest (``Tail.finish_inline``) is tokenized on the loop as soon as the request
+is sent, before its placement is recorded; a large one in a worker thread.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Tail:
     begin: Callable[[], asyncio.Future[Sequence[int]]]  # starts tokenizing the rest
     head_blocks: int  # block hashes the head has
     hashes_final: bool  # the head already has every hash there will be (max_hashed_blocks)
+    # The full ids computed in place, when the rest is small enough for the event loop
+    # (Renderer.loop_encode_chars): once the request is sent, no thread hand-off.
+    finish_inline: Callable[[], Sequence[int]] | None = None
     full: RoutedRequest | None = None  # the request with every id and hash, once known
     taken_back: set[str] = field(default_factory=set)  # replicas a placement was forgotten on
     on_full: list[Callable[[RoutedRequest], None]] = field(default_factory=list)
@@ -81,6 +85,11 @@ class Tail:
         if self._ids is None:
             self._ids = self.begin()
         return self._ids
+
+    @property
+    def started(self) -> bool:
+        """Whether the worker thread was given the rest already."""
+        return self._ids is not None
 
     def decides(self, matches: Mapping[str, int]) -> bool:
         """Whether the head's hashes decide exactly: the longest match among the candidates

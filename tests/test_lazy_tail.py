@@ -32,6 +32,7 @@ from router.index import MemoryIndex
 from router.lazy_tail import policy_allows, tail_of
 from router.prompt import Renderer
 from router.prompt.lazy import cut_rule, cuts
+from router.request import RoutedRequest
 from router.schedule import from_config
 from router.schedule.ring import HashRing
 from tests.conftest import TOKENIZER_DIR
@@ -178,8 +179,15 @@ def test_policies_that_read_more_than_integer_costs_stay_exact() -> None:
         assert (policy_allows(from_config(config, ring)) is None) == allowed, overrides
 
 
-def test_lazy_decisions_and_records_equal_full_tokenization(harness: Harness) -> None:
+@pytest.mark.parametrize("rest", ["inline", "thread"])
+def test_lazy_decisions_and_records_equal_full_tokenization(
+    harness: Harness, rest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of finishing a head: on the loop once the request is sent (a small rest),
+    and in a worker thread."""
     gw, renderer = harness.gw, harness.renderer
+    monkeypatch.setattr(gw, "_lazy_min_rest", lambda: 0)  # every new turn may be lazy
+    monkeypatch.setattr(gw, "_tail_inline", lambda head: rest == "inline")
     seen = {"head": 0, "full": 0}
 
     @settings(
@@ -216,6 +224,7 @@ def test_lazy_decisions_and_records_equal_full_tokenization(harness: Harness) ->
         tail = tail_of(lazy)
         if tail is not None:
             seen["full" if tail.full is not None else "head"] += 1
+            assert (tail.finish_inline is not None) == (rest == "inline")
             assert list(lazy.token_ids) == ids[: len(lazy.token_ids)]
         harness.run(gw.record_placement(lazy, lazy_decision))
         harness.run(harness.drain())
@@ -247,15 +256,26 @@ def test_lazy_decisions_and_records_equal_full_tokenization(harness: Harness) ->
     assert seen["head"] >= 5 and seen["full"] >= 1, seen
 
 
-def test_a_head_is_taken_only_past_enough_new_text(harness: Harness) -> None:
-    """A short new user turn is tokenized whole (nothing to gain); a long one is cut."""
+def test_a_head_is_taken_only_past_enough_new_text(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short new user turn is tokenized whole (nothing to gain), and so is one no longer
+    than the gateway's minimum rest (cheaper now than deferred); a longer one is cut."""
     gw, renderer = harness.gw, harness.renderer
-    renderer.clear_cache()
     short = body(SYSTEMS[0], [], "hello there", None)
-    long_ = body(SYSTEMS[0], [], "refund policy " * 200, None)
-    harness.run(gw.prepare(short, {}, "chat", "warm", tenant="t"))  # system prompt cached
-    assert tail_of(harness.run(gw.prepare(short, {}, "chat", "s", tenant="t", lazy=True))) is None
-    rr = harness.run(gw.prepare(long_, {}, "chat", "l", tenant="t", lazy=True))
+    long_ = body(SYSTEMS[0], [], "refund policy " * 200, None)  # 2,800 new characters
+
+    def lazily(raw: bytes, min_rest: int) -> RoutedRequest:
+        monkeypatch.setattr(gw, "_lazy_min_rest", lambda: min_rest)
+        renderer.clear_cache()
+        harness.run(gw.prepare(short, {}, "chat", "warm", tenant="t"))  # system prompt cached
+        return harness.run(gw.prepare(raw, {}, "chat", "l", tenant="t", lazy=True))
+
+    assert tail_of(lazily(short, 0)) is None
+    whole = lazily(long_, 3000)
+    assert tail_of(whole) is None and list(whole.token_ids) == harness.ids(long_)
+    assert tail_of(lazily(body(SYSTEMS[0], [], "refund policy " * 250, None), 3000))
+    rr = lazily(long_, 0)
     tail = tail_of(rr)
     assert tail is not None and len(rr.token_ids) < len(harness.ids(long_))
     # the cached prefix (the short prompt less its 7 tokens from "hello" on), then more
@@ -281,7 +301,9 @@ async def test_over_http_a_new_user_turn_routes_on_its_head_and_is_recorded_whol
     gw = await gateway([r.url for r in replicas], block_size=BLOCK)
     system = SYSTEMS[0]
     first = json.loads(body(system, [], "Where is my refund? " * 30, None))
-    second_user = "And what does the warranty cover for a broken screen, please? " * 30
+    # Past the minimum rest a head is worth (fastokens: the 16k characters it encodes in
+    # place), so the rest goes to a worker thread: the default path for a long new turn.
+    second_user = "And what does the warranty cover for a broken screen, please? " * 300
     async with aiohttp.ClientSession() as s:
         status, headers, answer = await post(s, gw.url + "/v1/chat/completions", first)
         assert status == 200

@@ -129,11 +129,12 @@ class Head:
         return self.rest_chars // 4 + 1
 
 
-def head(seg: SegmentTokenizer, text: str, block_size: int) -> Head | None:
+def head(seg: SegmentTokenizer, text: str, block_size: int, min_rest_chars: int = 0) -> Head | None:
     """``text``'s ids up to a block and a little more into its first long segment the cache
     does not hold, or None when that would be the whole prompt anyway (everything cached,
-    or no exact cut in it): tokenize it the ordinary way then. New segments too short to
-    cut (an earlier short answer) are encoded here and cached."""
+    or no exact cut in it) or when no more than ``min_rest_chars`` are left from that
+    segment on (cheaper to encode now than to defer): tokenize it the ordinary way then.
+    New segments too short to cut (an earlier short answer) are encoded here and cached."""
     min_new_chars = HEAD_CHARS_PER_BLOCK * block_size
     ids = array("I")
     pos = 0  # where the current piece starts in text
@@ -147,6 +148,8 @@ def head(seg: SegmentTokenizer, text: str, block_size: int) -> Head | None:
             ids.extend(hit)
             pos += len(p)
             continue
+        if len(text) - pos <= min_rest_chars:
+            return None
         # Encode from one exact cut to the next until a block's worth of new tokens.
         first: list[int] = []
         c = 0

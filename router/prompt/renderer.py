@@ -14,6 +14,7 @@ from typing import Any
 
 from router.prompt import lazy, segments
 from router.prompt.completion import CompletionPrompts, reused_prompt_token_ids
+from router.prompt.fast_encode import FAST, FAST_MAX_CHARS
 from router.prompt.fields import TokenIds, as_list, plain, text_size
 from router.prompt.jinja import ContentFormat
 from router.prompt.limits import DEFAULT_MAX_PROMPT_CHARS, PromptLimits, Truncation
@@ -164,7 +165,9 @@ class Renderer:
             text, norm["add_special_tokens"], Truncation(body, chat=True), "messages"
         )
 
-    def chat_head(self, body: dict[str, Any], block_size: int) -> TokenIds | lazy.Head:
+    def chat_head(
+        self, body: dict[str, Any], block_size: int, min_rest_chars: int = 0
+    ) -> TokenIds | lazy.Head:
         """``chat_ids(body)``, or when that would BPE-encode new text and can be done in two
         steps exactly, a ``lazy.Head``: the ids up to a few blocks into the first new
         segment now, the rest from ``Head.finish()``. Same checks and errors as ``chat_ids``.
@@ -183,7 +186,7 @@ class Renderer:
             and len(text) <= self.max_prompt_chars
             and self._segments.split_path(norm["add_special_tokens"])
         ):
-            got = lazy.head(self._segments, text, block_size)
+            got = lazy.head(self._segments, text, block_size, min_rest_chars)
             if got is not None and got.ids:
                 return got
         return self._limits.tokenize_text(text, norm["add_special_tokens"], trunc, "messages")
@@ -234,6 +237,20 @@ class Renderer:
         return self._completions.request_ids(body)
 
     # ------------------------------------------------------------------------ tokenizing
+    @property
+    def fast_encoder(self) -> bool:
+        """Whether new text is BPE-encoded by fastokens (router/prompt/fast_encode.py)."""
+        return self._segments.encoder == FAST
+
+    def loop_encode_chars(self, reference_chars: int) -> int:
+        """How much new text an event loop may BPE-encode in place: ``reference_chars`` with
+        Hugging Face's encoder, which releases the GIL, so a worker thread lets the loop run
+        meanwhile; FAST_MAX_CHARS with fastokens, which holds it, so below its cutoff a
+        thread stalls the loop as long and only adds the hand-off."""
+        if self.fast_encoder:
+            return max(reference_chars, FAST_MAX_CHARS)
+        return reference_chars
+
     @contextlib.contextmanager
     def inline(self, max_uncached_chars: int) -> Iterator[None]:
         """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
