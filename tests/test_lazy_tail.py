@@ -252,8 +252,9 @@ def test_lazy_decisions_and_records_equal_full_tokenization(
             assert renderer.cache_info()["entries"] > 0
 
     check()
-    # Both ways were exercised: decided on the head, and waited for the rest.
-    assert seen["head"] >= 5 and seen["full"] >= 1, seen
+    # Both ways were exercised: decided on the head, and waited for the rest (about one
+    # example in seven is decided on its head; CI runs hypothesis derandomized).
+    assert seen["head"] >= 2 and seen["full"] >= 1, seen
 
 
 def test_a_head_is_taken_only_past_enough_new_text(
