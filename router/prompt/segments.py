@@ -27,7 +27,7 @@ from typing import Any
 import xxhash
 
 from router.errors import APIError
-from router.prompt.fast_encode import REFERENCE, PlainEncoder, plain_encoder
+from router.prompt.fast_encode import FAST, FAST_MAX_CHARS, REFERENCE, PlainEncoder, plain_encoder
 from router.prompt.fields import TokenIds, error
 
 log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it used to be
@@ -60,6 +60,43 @@ def cache_scope_seed(cache_salt: str | None) -> int:
     if not cache_salt:
         return 0
     return xxhash.xxh3_64_intdigest(cache_salt.encode("utf-8", "surrogatepass")) or 1
+
+
+def fast_pieces(text: str, limit: int = FAST_MAX_CHARS) -> list[str]:
+    """``text`` cut at ``_SAFE_CUT`` (exact for a chunkable tokenizer) into pieces of at most
+    ``limit`` characters where the last ``limit // 16`` characters before the limit hold a
+    cut; a piece is longer only where they do not (up to the next cut, or the end)."""
+    out: list[str] = []
+    pos, n = 0, len(text)
+    while n - pos > limit:
+        m = _SAFE_CUT.search(text, pos + limit - limit // 16, pos + limit)
+        if m is None:
+            m = _SAFE_CUT.search(text, pos + limit)
+            if m is None:
+                break
+        out.append(text[pos : m.end()])
+        pos = m.end()
+    out.append(text[pos:])
+    return out
+
+
+def _cut_long(encode: PlainEncoder) -> PlainEncoder:
+    """``encode`` (fastokens) with segments over FAST_MAX_CHARS cut into pieces it encodes
+    itself (``fast_pieces``): such a segment went whole to Hugging Face's BPE, ~50x slower.
+    The GIL can change hands between pieces."""
+
+    def encode_cut(segments: list[str]) -> list[Sequence[int]]:
+        if all(len(s) <= FAST_MAX_CHARS for s in segments):
+            return encode(segments)
+        out: list[Sequence[int]] = []
+        for s in segments:
+            ids: list[int] = []
+            for piece in fast_pieces(s):
+                ids += encode([piece])[0]
+            out.append(ids)
+        return out
+
+    return encode_cut
 
 
 # -- the per-request tokenize budget ---------------------------------------------------------
@@ -258,6 +295,8 @@ class SegmentTokenizer:
         ):
             return "segment tokenization differs from whole-text tokenization"
         self._chunkable = self._chunk_safe(spec)
+        if self._chunkable and self.encoder == FAST and self._encode_plain is not None:
+            self._encode_plain = _cut_long(self._encode_plain)
         return None
 
     def _chunk_safe(self, spec: dict[str, Any]) -> bool:

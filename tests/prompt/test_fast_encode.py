@@ -107,3 +107,29 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(fast_encode.ENV, "1")
     _, name = plain_encoder(_reference())
     assert name == FAST
+
+
+def test_segments_over_the_fast_limit_are_cut_exactly_into_fast_pieces() -> None:
+    """A new segment longer than FAST_MAX_CHARS is encoded by fastokens in pieces cut where
+    whole-text BPE has a boundary too: the same ids as the reference's whole-text encode.
+    Where no cut is near the limit, the piece runs to the next cut (the reference's then)."""
+    from router.prompt.segments import fast_pieces
+
+    r = renderer(True)
+    hook, reference = r._segments._encode_plain, _reference()
+    assert hook is not None and hook.__qualname__.startswith("_cut_long")  # the cutting hook
+    rng = random.Random(5)
+    corp = self_check_corpus(200, seed=9)
+    texts = [
+        " ".join(rng.choice(corp) for _ in range(900)),  # every script, whitespace runs
+        " ".join(rng.choice(["refund", "policy", "it's", "café"]) for _ in range(9000)),
+        "人工智能正在改变世界。" * 3000,  # cut before CJK punctuation
+        "x" * 20_000 + " tail end",  # no cut near the limit: one long piece
+        ("word " * 600 + "\n\n") * 12,
+    ]
+    for text in texts:
+        pieces = fast_pieces(text)
+        assert "".join(pieces) == text and len(pieces) > 1
+        assert list(hook([text])[0]) == reference.encode(text, add_special_tokens=False).ids
+    prose = fast_pieces(texts[1])
+    assert len(prose) >= 4 and all(len(p) <= fast_encode.FAST_MAX_CHARS for p in prose)
