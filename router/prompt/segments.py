@@ -82,8 +82,8 @@ def fast_pieces(text: str, limit: int = FAST_MAX_CHARS) -> list[str]:
 
 def _cut_long(encode: PlainEncoder) -> PlainEncoder:
     """``encode`` (fastokens) with segments over FAST_MAX_CHARS cut into pieces it encodes
-    itself (``fast_pieces``): such a segment went whole to Hugging Face's BPE, ~50x slower.
-    The GIL can change hands between pieces."""
+    itself (``fast_pieces``), instead of whole by Hugging Face's BPE, ~50x slower. The GIL
+    can change hands between pieces."""
 
     def encode_cut(segments: list[str]) -> list[Sequence[int]]:
         if all(len(s) <= FAST_MAX_CHARS for s in segments):
