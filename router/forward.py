@@ -183,11 +183,14 @@ def usage_of(body: bytes) -> tuple[int | None, int | None]:
         if cached is None:
             cached = usage.get("cache_read_input_tokens")
         completion = usage.get("completion_tokens", usage.get("output_tokens"))
-        return (
-            cached if type(cached) is int else None,
-            completion if type(completion) is int else None,
-        )
+        return _count(cached), _count(completion)
     return None, None
+
+
+def _count(value: object) -> int | None:
+    """A token count a replica reported, if it is one (never a bool, a float or a number
+    past 2**53, which metrics and estimates cannot hold)."""
+    return value if type(value) is int and 0 <= value <= 2**53 else None
 
 
 StreamErrorShape = Literal["openai", "anthropic"]

@@ -191,13 +191,16 @@ class Handlers:
         extra: dict[str, str],
     ) -> tuple[web.StreamResponse, Outcome]:
         """Forward with load accounting: in flight until done, pending prefill until the
-        first byte."""
+        first byte. Every counter raised here is lowered on every way out (the ``finally``
+        starts right after they are raised: nothing between may raise)."""
+        assert self.gw.fleet is not None
+        tokens, n = rr.max_tokens, rr.body.get("n")
+        if tokens is not None and type(n) is int and n > 1:
+            tokens *= n  # completion_tokens counts every choice
+        timeout = self.gw.fleet.first_byte_timeout(replica, rr.stream, tokens)
+        url = replica.url + PATHS[rr.endpoint]
         uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
-        replica.inflight += 1
-        replica.pending_requests += 1
-        replica.pending_prefill_tokens += uncached
         gauge = self.gw.metrics.child(self.gw.metrics.inflight, replica.url)
-        gauge.inc()
         pending = True
 
         def first_byte() -> None:
@@ -215,16 +218,13 @@ class Handlers:
                 replica.pending_prefill_tokens += exact - uncached
                 uncached = exact
 
-        if (tail := tail_of(rr)) is not None and tail.full is None:
-            tail.on_full.append(exact_count)
-
-        assert self.gw.fleet is not None
-        tokens, n = rr.max_tokens, rr.body.get("n")
-        if tokens is not None and type(n) is int and n > 1:
-            tokens *= n  # completion_tokens counts every choice
-        timeout = self.gw.fleet.first_byte_timeout(replica, rr.stream, tokens)
+        replica.inflight += 1
+        replica.pending_requests += 1
+        replica.pending_prefill_tokens += uncached
+        gauge.inc()
         try:
-            url = replica.url + PATHS[rr.endpoint]
+            if (tail := tail_of(rr)) is not None and tail.full is None:
+                tail.on_full.append(exact_count)
             return await proxy(
                 self.gw.upstream,
                 request,

@@ -14,6 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 
 MIN_SAMPLES = 5  # answers before an estimate is trusted
+# Token counts beyond this are not believed (a replica's usage can say anything): a bigger
+# int does not convert to float and raised OverflowError on the request path.
+MAX_TOKENS = 2**40
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,7 @@ class Latency:
     def observe(self, stream: bool, first_byte_s: float, completion_tokens: int | None) -> None:
         if stream:
             self.stream_first_byte.add(first_byte_s)
-        elif completion_tokens is not None and completion_tokens >= 0:
+        elif completion_tokens is not None and 0 <= completion_tokens <= MAX_TOKENS:
             self.seconds_per_token.add(first_byte_s / (completion_tokens + 1))
 
     def expected(self, stream: bool, tokens: int | None) -> float | None:
@@ -123,4 +126,4 @@ class Latency:
         if tokens is None:
             return None  # unbounded output: only the configured ceiling is safe
         per_token = self.seconds_per_token.high()
-        return None if per_token is None else per_token * (tokens + 1)
+        return None if per_token is None else per_token * (min(tokens, MAX_TOKENS) + 1)

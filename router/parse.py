@@ -10,6 +10,37 @@ from router.errors import bad_request
 from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
 from router.request import Endpoint
 
+# vLLM stores token counts and choice counts in int32-sized fields; anything beyond is refused
+# (and a bigger int breaks float arithmetic: the first-byte estimate overflowed on n=10**400).
+MAX_INT = 2**31 - 1
+# Integer fields something in the gateway reads (routing, the salt, the first-byte estimate,
+# the context check, whether the replica reads its prefix cache), with vLLM's lower bounds:
+# field -> (lowest, endpoints it is an integer on).
+_ALL: tuple[Endpoint, ...] = ("chat", "completions", "messages", "responses")
+INT_FIELDS: dict[str, tuple[int, tuple[Endpoint, ...]]] = {
+    "n": (1, ("chat", "completions")),
+    "best_of": (1, ("chat", "completions")),
+    "max_tokens": (0, ("chat", "completions", "messages")),
+    "max_completion_tokens": (0, ("chat",)),
+    "max_output_tokens": (1, ("responses",)),
+    "truncate_prompt_tokens": (-1, ("chat", "completions")),
+    "top_logprobs": (-1, ("chat", "responses")),
+    "logprobs": (-1, ("completions",)),  # a boolean on chat
+    "prompt_logprobs": (-1, ("chat", "completions")),
+    "top_k": (-1, _ALL),
+}
+
+
+def check_int_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
+    """Every integer field the gateway reads is an integer within vLLM's bounds and
+    ``MAX_INT``: a 400 naming the field, before anything uses it."""
+    for key, (low, endpoints) in INT_FIELDS.items():
+        v = body.get(key)
+        if v is None or endpoint not in endpoints:
+            continue
+        if type(v) is not int or not low <= v <= MAX_INT:
+            raise bad_request(f"{key} must be an integer from {low} to {MAX_INT}", key)
+
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
@@ -38,10 +69,7 @@ def parse_body(
         raise bad_request("model must be a string", "model")
     if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
         raise bad_request("stream must be a boolean", "stream")
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise bad_request(f"{key} must be a non-negative integer", key)
+    check_int_fields(body, endpoint)
     if endpoint in ("messages", "responses"):
         return body  # checked by its converter (router/api/)
     if endpoint == "chat":
