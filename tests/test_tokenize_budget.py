@@ -5,6 +5,7 @@ and the ids of what is accepted are exactly the whole-text tokenization."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -101,3 +102,32 @@ def test_no_budget_outside_the_block_and_cached_text_costs_nothing(renderer):
             tok.encode(long_text + " more", add_special_tokens=False)
         assert refused.value.status == 413
     assert len(tok.encode(long_text + " more", add_special_tokens=False)) > 0  # no budget
+
+
+@pytest.mark.parametrize(
+    "char",
+    [
+        pytest.param(" ", id="spaces"),
+        pytest.param("a", id="one long word"),
+        pytest.param("\n", id="newlines"),
+        pytest.param("!", id="symbols"),
+        pytest.param("7", id="digits"),
+        pytest.param("中", id="CJK"),
+    ],
+)
+async def test_the_cpu_budget_bounds_every_input_class(fleet, gateway, char):
+    """3.9M characters of one class, within a 10M-token context so only the CPU budget
+    (the default 2 s) can refuse them: refused having used at most 1.25x the budget of this
+    process's CPU (gateway and client together). A run with no cut can only be BPE-encoded
+    whole, which no check interrupts: spaces took 4.1-4.6 s and one long word 3.5 s, when
+    that whole encode started once pieces of the run had fit the budget."""
+    replicas = await fleet(1, max_model_len=10_000_000)
+    gw = await gateway([replicas[0].url])
+    budget = gw.gateway.config.max_tokenize_cpu_s
+    body = json.dumps(chat_body(char * 3_900_000))
+    async with aiohttp.ClientSession() as s:
+        t0 = time.process_time()
+        got, _, answer = await post(s, gw.url + "/v1/chat/completions", body)
+        used = time.process_time() - t0
+    assert got == 413 and answer["error"]["code"] == "prompt_too_expensive", answer
+    assert used < 1.25 * budget, (used, budget)
