@@ -25,7 +25,7 @@ from router.api import routes as api_routes
 from router.config import Config
 from router.errors import APIError
 from router.gateway import Gateway
-from router.handlers import REQUEST_ID, Handlers
+from router.handlers import HANDLERS, REQUEST_ID, Handlers
 from router.index import PrefixIndex
 from router.prompt import Renderer
 from router.server import ConnectionLimits, GatewayRunner
@@ -113,6 +113,7 @@ def build_app(
         handler_args={"lingering_time": LINGER_S},
     )
     app[GATEWAY_KEY] = gateway
+    app[HANDLERS] = routes  # the ops routes read bodies through the same bounded reader
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_get("/v1/models", routes.models)

@@ -1,5 +1,6 @@
 """Request body intake for the JSON endpoints: check the media type, undo the content coding
-within ``max_body_bytes``.
+within ``max_body_bytes``. Reading the bytes (time, size and in-flight bounds) is
+``Handlers.read_body``'s (router/handlers.py), the one reader every route uses.
 
 The server runs with aiohttp's own request decompression off (``auto_decompress=False``, see
 ``start_gateway`` and ``cli``): it turned a plain body labelled gzip into a 500, and it left
@@ -73,9 +74,9 @@ def decode(coding: str, data: bytes, max_bytes: int) -> bytes:
     return b"".join(out)
 
 
-async def read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The request's body as JSON bytes, decoded; 415 for a non-JSON type or an unknown
-    coding, 400 for an undecodable body, 413 past ``max_bytes`` (raw or decoded)."""
+def content_coding(request: web.Request) -> str:
+    """The body's content coding ("" for none), once its type and coding were checked: 415
+    for a non-JSON type or an unknown coding. Nothing of the body is read."""
     check_content_type(request)
     coding = request.headers.get("Content-Encoding", "").strip().lower()
     if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
@@ -85,8 +86,13 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
             "gzip or deflate",
             code="unsupported_content_encoding",
         )
-    raw = await request.read()  # aiohttp bounds the raw size by client_max_size
-    if coding in ("", "identity") or not raw:
+    return "" if coding == "identity" else coding
+
+
+async def decode_body(coding: str, raw: bytes, max_bytes: int) -> bytes:
+    """``raw`` (as received) decoded from ``coding``: 400 for an undecodable body, 413 past
+    ``max_bytes`` decoded."""
+    if not coding or not raw:
         return raw
     if len(raw) > INLINE_DECODE_BYTES:
         # Inflating up to max_bytes takes ~0.1 s: off the event loop (zlib releases the GIL).

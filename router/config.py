@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import re
 import types
@@ -32,8 +33,7 @@ class ConfigError(ValueError):
 def _opt(default: Any, help: str, *, flag: bool = True, secret: bool = False) -> Any:
     meta = {"help": help, "flag": flag, "secret": secret}
     if isinstance(default, (list, dict)):
-        factory: Any = list if isinstance(default, list) else dict
-        return field(default_factory=factory, metadata=meta)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)  # a copy
     return field(default=default, metadata=meta)
 
 
@@ -143,8 +143,13 @@ class Config:
     )
     max_inflight_body_bytes: int = _opt(
         256 * 1024 * 1024,
-        "request-body bytes all clients together may be sending at once (a body without "
-        "Content-Length counts as max_body_bytes); beyond it new requests get a 503",
+        "request-body bytes all clients together may be sending at once (counted as they "
+        "arrive); beyond it, or beyond one client's client_share of it, a 503",
+    )
+    client_share: float = _opt(
+        0.25,
+        "the fraction of max_inflight_body_bytes and of max_connections one client may hold "
+        "(a tenant with auth on, else a peer address; 1: no per-client bound)",
     )
     max_prompt_chars: int = _opt(4_000_000, "largest rendered prompt, in characters")
     max_tokenize_cpu_s: float = _opt(
@@ -275,6 +280,11 @@ class Config:
     admin_key: str | None = _opt(
         None, "key for admin endpoints (/admin/*, /v1/route/explain)", secret=True
     )
+    admin_networks: list[str] = _opt(
+        ["127.0.0.0/8", "::1/128"],
+        "with no admin_key, /v1/route/explain answers only clients from these networks "
+        "(default: loopback; empty: off)",
+    )
 
     def validate(self) -> Config:
         if not 0 < self.port < 65536:
@@ -294,6 +304,15 @@ class Config:
                 f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})"
             )
+        if not 0 < self.client_share <= 1:
+            raise ConfigError(f"client_share must be in (0, 1], got {self.client_share}")
+        for net in self.admin_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"admin_networks: {net!r} is not a network (e.g. 127.0.0.0/8)"
+                ) from None
         for name in (
             "max_json_depth",
             "max_json_nodes",

@@ -16,11 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from router.blocks import cacheable_blocks
-from router.body import read_body
+from router.budget import in_networks
 from router.config import ConfigError
 from router.errors import APIError, bad_request
 from router.gateway import Gateway
-from router.handlers import admin_key_ok
+from router.handlers import Handlers, admin_key_ok
 from router.offline import offline_gateway
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
@@ -96,12 +96,25 @@ def describe(
     return out
 
 
-def check_admin(request: web.Request, admin_key: str | None, *, required: bool) -> None:
-    """Admin endpoints take ``X-Admin-Key``; with no admin key configured, ``required``
-    endpoints are off and the others open."""
+def check_admin(
+    request: web.Request,
+    admin_key: str | None,
+    *,
+    required: bool,
+    networks: Sequence[str] = (),
+) -> None:
+    """Admin endpoints take ``X-Admin-Key``. With no admin key configured, ``required``
+    endpoints are off (404) and the others answer only peers in ``networks`` (403)."""
     if not admin_key:
         if required:
             raise APIError(404, "this admin endpoint is off: configure admin_key to enable it")
+        if not in_networks(request.remote, list(networks)):
+            raise APIError(
+                403,
+                "with no admin_key configured, this admin endpoint answers only clients from "
+                "admin_networks (loopback by default): configure admin_key to use it from here",
+                code="admin_only",
+            )
         return
     if not admin_key_ok(request, admin_key, accept_bearer=False):
         raise APIError(
@@ -109,16 +122,17 @@ def check_admin(request: web.Request, admin_key: str | None, *, required: bool) 
         )
 
 
-async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web.Response:
-    check_admin(request, gateway.config.admin_key, required=False)
-    raw = await read_body(request, gateway.config.max_body_bytes)  # as the live path reads it
-    try:
-        peek = json.loads(raw) if raw.strip() else None
-    except ValueError:
-        peek = None  # prepare() reports the JSON error in the usual shape
+async def handle(handlers: Handlers, request: web.Request, request_id: str) -> web.Response:
+    """Admin check, then the tenant's key, then the body through the gateway's one bounded
+    reader: nothing of the body is read (or inflated, or parsed) for a refused caller."""
+    gateway = handlers.gw
+    config = gateway.config
+    check_admin(request, config.admin_key, required=False, networks=config.admin_networks)
+    tenant = handlers.identify(request)
+    raw = await handlers.read_body(request, tenant=tenant)  # as the live path reads it
     hint = request.query.get("endpoint") or request.headers.get("X-Prefix-Router-Endpoint")
-    endpoint = endpoint_of(peek, hint) if peek is not None else "chat"
-    rr = await gateway.prepare(raw, request.headers, endpoint, request_id)
+    endpoint = endpoint_of(None, hint) if hint else await _endpoint_of_body(gateway, raw)
+    rr = await gateway.prepare(raw, request.headers, endpoint, request_id, tenant)
     decision = await gateway.decide(rr)
     include = request.query.get("token_ids", "").lower() in ("1", "true", "yes")
     body = describe(
@@ -132,6 +146,15 @@ async def handle(gateway: Gateway, request: web.Request, request_id: str) -> web
         for candidate in body.get("candidates", []):
             candidate["kv_events"] = gateway.kv_events.state(candidate["replica"])
     return web.json_response(body)
+
+
+async def _endpoint_of_body(gateway: Gateway, raw: bytes) -> Endpoint:
+    """The endpoint a body's keys name (a large body is parsed as prepare parses it)."""
+    try:
+        peek = await gateway.parse_json(raw) if raw.strip() else None
+    except APIError:
+        peek = None  # prepare() reports the JSON error in the usual shape
+    return endpoint_of(peek) if peek is not None else "chat"
 
 
 # -- offline ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import aiohttp
 
 from router import blocks, lazy_tail
 from router.api.convert import to_chat
+from router.budget import SharedBudget, share_of
 from router.config import Config
 from router.discovery import DnsDiscovery
 from router.errors import APIError
@@ -38,7 +39,7 @@ from router.limits import BodyLimits, check_fits
 from router.loading import load_renderer
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
-from router.parse import parse_body
+from router.parse import parse_body, parse_json_object
 from router.prompt import NeedsThread, Renderer, segments
 from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest
@@ -119,8 +120,17 @@ class Gateway:
         self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
         self.discovery: DnsDiscovery | None = None  # DNS discovery of replicas, if configured
         self.kv_events: KVEventSubscriber | None = None  # precise mode (router/kv_events/)
-        self.receiving_bytes = 0  # request-body bytes being received now (router/handlers.py)
+        # Request-body bytes being received now, with each client's share (router/handlers.py).
+        self.body_bytes = SharedBudget(
+            config.max_inflight_body_bytes,
+            share_of(config.max_inflight_body_bytes, config.client_share, config.max_body_bytes),
+        )
         self._model_reported = asyncio.Event()  # a replica reported its models (start-up wait)
+
+    @property
+    def receiving_bytes(self) -> int:
+        """Request-body bytes being received now, all clients together."""
+        return self.body_bytes.held
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -332,6 +342,13 @@ class Gateway:
             tail_tokens=head.estimated_tokens() if head is not None else 0,
             extras=extras,  # "raw": unchanged bodies are forwarded as the client's own bytes
         )
+
+    async def parse_json(self, raw: bytes) -> dict[str, Any]:
+        """``raw`` parsed as a JSON object (a 400 otherwise); a large body off the loop."""
+        if len(raw) > LARGE_BODY_BYTES:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, parse_json_object, raw)
+        return parse_json_object(raw)
 
     def _hashes(self, token_ids: Sequence[int], lora: str | None, salt: str | None) -> list[int]:
         return self.chain_cache.block_hashes(

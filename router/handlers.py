@@ -18,7 +18,8 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from router.body import read_body as read_request_body
+from router.body import content_coding, decode_body
+from router.budget import peer_key
 from router.errors import APIError
 from router.fleet import Replica
 from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable, proxy, request_headers
@@ -32,6 +33,7 @@ from router.schedule import Decision
 log = logging.getLogger("prefix_router")
 
 REQUEST_ID = web.RequestKey("request_id", str)
+HANDLERS: web.AppKey[Handlers] = web.AppKey("handlers")  # for the ops routes (router/admin.py)
 PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -64,11 +66,27 @@ class Handlers:
         self.gw = gateway
         self._fallbacks_seen = 0
 
-    async def read_body(self, request: web.Request, *, as_sent: bool = False) -> bytes:
-        """The request body, once the headers were authenticated: bounded in time and in the
-        bytes all requests may be sending at once, so slow or huge bodies cannot pile up.
-        JSON is checked and decoded (router/body.py); ``as_sent``: the bytes as they came (a
-        multipart upload forwarded whole)."""
+    def identify(self, request: web.Request) -> str:
+        """The request's tenant from its headers (a 401 when auth is on and fails), before a
+        byte of its body is read."""
+        return self.gw.tenancy.identify(request.headers)
+
+    def client_of(self, request: web.Request, tenant: str | None) -> str:
+        """Whose share of the shared budgets a request draws on: its tenant with auth on (a
+        key proved it), else its peer address (with auth off anyone can name any tenant)."""
+        if self.gw.config.auth and tenant is not None:
+            return f"tenant:{tenant}"
+        return peer_key(request.remote)
+
+    async def read_body(
+        self, request: web.Request, *, tenant: str | None = None, as_sent: bool = False
+    ) -> bytes:
+        """The request body, once the headers were authenticated (``tenant``: whom they
+        proved; ``identify``): bounded in time (``body_timeout_s``), in size, and in the bytes
+        being received at once, all clients together and per client (``client_of``), each
+        byte counted as it arrives, so an announced length reserves nothing. JSON is checked
+        first and decoded after, bounded (router/body.py); ``as_sent``: the bytes as they
+        came (a multipart upload forwarded whole)."""
         limit = self.gw.config.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
@@ -78,22 +96,15 @@ class Handlers:
                 code="body_too_large",
                 close_connection=True,
             )
-        reserve = length if length is not None else limit
-        if self.gw.receiving_bytes + reserve > self.gw.config.max_inflight_body_bytes:
-            self.gw.metrics.rejected.labels("inflight_bytes").inc()
-            raise APIError(
-                503,
-                "the gateway is receiving too many request bytes at once; retry shortly",
-                code="overloaded",
-                close_connection=True,
-            )
-        self.gw.receiving_bytes += reserve
+        coding = "" if as_sent else content_coding(request)
+        client = self.client_of(request, tenant)
+        if length:  # cannot fit now: refused before any of it is sent (nothing is reserved)
+            self._check_budget(self.gw.body_bytes.fits(client, length))
         try:
-            async with asyncio.timeout(self.gw.config.body_timeout_s):
-                if as_sent:
-                    return await request.read()  # bounded by client_max_size
-                return await read_request_body(request, limit)
-        except TimeoutError:
+            raw = await asyncio.wait_for(
+                self._receive(request, client, limit), self.gw.config.body_timeout_s
+            )
+        except asyncio.TimeoutError:
             self.gw.metrics.rejected.labels("body_timeout").inc()
             raise APIError(
                 408,
@@ -101,13 +112,54 @@ class Handlers:
                 code="body_timeout",
                 close_connection=True,
             ) from None
+        return await decode_body(coding, raw, limit)
+
+    async def _receive(self, request: web.Request, client: str, limit: int) -> bytes:
+        """The body's bytes, each chunk charged to ``client``'s share of the in-flight
+        budget as it arrives and all of it given back once the body is in (or refused)."""
+        budget = self.gw.body_bytes
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while chunk := await request.content.readany():
+                if got + len(chunk) > limit:
+                    raise APIError(
+                        413,
+                        f"request body too large: more than {limit} bytes",
+                        code="body_too_large",
+                        close_connection=True,
+                    )
+                self._check_budget(budget.take(client, len(chunk)))
+                got += len(chunk)
+                chunks.append(chunk)
         finally:
-            self.gw.receiving_bytes -= reserve
+            budget.give_back(client, got)
+        return b"".join(chunks)
+
+    def _check_budget(self, refused: str | None) -> None:
+        if refused is None:
+            return
+        if refused == "share":
+            self.gw.metrics.rejected.labels("client_inflight_bytes").inc()
+            raise APIError(
+                503,
+                "this client is sending too many request bytes at once (its share of the "
+                "gateway's in-flight body budget); retry shortly",
+                code="overloaded",
+                close_connection=True,
+            )
+        self.gw.metrics.rejected.labels("inflight_bytes").inc()
+        raise APIError(
+            503,
+            "the gateway is receiving too many request bytes at once; retry shortly",
+            code="overloaded",
+            close_connection=True,
+        )
 
     async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         request_id = request[REQUEST_ID]
-        tenant = self.gw.tenancy.identify(request.headers)  # before reading a byte of the body
-        raw = await self.read_body(request)
+        tenant = self.identify(request)  # before reading a byte of the body
+        raw = await self.read_body(request, tenant=tenant)
         try:
             rr = await self.gw.prepare(
                 raw, request.headers, endpoint, request_id, tenant, lazy=True
@@ -253,16 +305,16 @@ class Handlers:
         return await self.route(request, "completions")
 
     async def models(self, request: web.Request) -> web.Response:
-        self.gw.tenancy.identify(request.headers)  # same auth as generation
+        self.identify(request)  # same auth as generation
         assert self.gw.fleet is not None
         cards = sorted(self.gw.fleet.models().values(), key=lambda c: str(c.get("id")))
         return web.json_response({"object": "list", "data": cards})
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
-        self.gw.tenancy.identify(request.headers)
+        tenant = self.identify(request)
         assert self.gw.fleet is not None
-        raw = await self.read_body(request)
+        raw = await self.read_body(request, tenant=tenant)
         # The same bounded shapes as generation bodies: the replica renders and tokenizes
         # these messages too (deep nesting, lone surrogates, 100k messages are a 400 here).
         check_body(parse_json_object(raw), self.gw.limits)

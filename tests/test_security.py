@@ -192,16 +192,18 @@ async def test_slow_body_times_out_and_bytes_in_flight_are_bounded(tmp_path, fle
         api_keys_file=str(keys_file(tmp_path / "k.yaml")),
         max_body_bytes=1_000_000,
         max_inflight_body_bytes=2_000_000,
+        client_share=1.0,  # the total alone (tests/test_fair_shares.py: the shares)
         body_timeout_s=1.0,
     )
     port = int(gw.url.rsplit(":", 1)[1])
     auth = f"Authorization: Bearer {KEYS['acme']}\r\n"
-    slow = [await _open_body(port, 900_000, 1000, auth) for _ in range(2)]
+    # Bytes count as they arrive: two bodies that sent 900,000 of their 900,001 bytes.
+    slow = [await _open_body(port, 900_001, 900_000, auth) for _ in range(2)]
 
-    async def both_reserved() -> bool:
+    async def both_received() -> bool:
         return gw.gateway.receiving_bytes == 1_800_000
 
-    await wait_for(both_reserved, what="two bodies being received")
+    await wait_for(both_received, what="two bodies being received")
     reader, writer = await _open_body(port, 900_000, 1000, auth)
     status, rest = await _answer(reader)
     assert status == 503 and b"overloaded" in rest  # beyond the in-flight byte budget

@@ -51,21 +51,22 @@ def _model_of(raw: bytes, content_type: str) -> str | None:
     return model
 
 
-async def _read(handlers: Handlers, request: web.Request) -> tuple[bytes, str]:
+async def _read(handlers: Handlers, request: web.Request, tenant: str) -> tuple[bytes, str]:
     content_type = request.headers.get("Content-Type", "").strip().lower()
     if content_type.startswith(MULTIPART):
-        # Forwarded as sent (its boundary is in the header); bounded by client_max_size.
-        return await handlers.read_body(request, as_sent=True), request.headers["Content-Type"]
-    return await handlers.read_body(request), "application/json"
+        # Forwarded as sent (its boundary is in the header), within the same bounds.
+        raw = await handlers.read_body(request, tenant=tenant, as_sent=True)
+        return raw, request.headers["Content-Type"]
+    return await handlers.read_body(request, tenant=tenant), "application/json"
 
 
 async def forward_post(
     handlers: Handlers, request: web.Request, request_id: str
 ) -> web.StreamResponse:
     gateway = handlers.gw
-    gateway.tenancy.identify(request.headers)
+    tenant = handlers.identify(request)
     assert gateway.fleet is not None
-    raw, content_type = await _read(handlers, request)
+    raw, content_type = await _read(handlers, request, tenant)
     model = _model_of(raw, content_type.lower())
     headers = request_headers(
         request.headers,
@@ -110,7 +111,7 @@ async def forward_post(
 async def forward_get(handlers: Handlers, request: web.Request, request_id: str) -> web.Response:
     """``/version`` and the like: the first healthy replica's answer, as vLLM gives it."""
     gateway = handlers.gw
-    gateway.tenancy.identify(request.headers)
+    handlers.identify(request)
     assert gateway.fleet is not None and gateway.session is not None
     headers = {"X-Request-Id": request_id}
     if gateway.config.upstream_api_key:

@@ -64,8 +64,8 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
 
     async def responses(request: web.Request) -> web.StreamResponse:
         request_id = request[REQUEST_ID]
-        tenant = gateway.tenancy.identify(request.headers)
-        raw = await routes.read_body(request)
+        tenant = routes.identify(request)
+        raw = await routes.read_body(request, tenant=tenant)
         rr = await gateway.prepare(raw, request.headers, "responses", request_id, tenant, lazy=True)
         previous = rr.body.get("previous_response_id")
         if isinstance(previous, str):
