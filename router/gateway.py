@@ -34,7 +34,7 @@ from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
 from router.forward import Outcome, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
-from router.kv_events import KVEventSubscriber, start_for
+from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
 from router.limits import BodyLimits, check_fits
 from router.loading import load_renderer
 from router.metrics import Metrics
@@ -170,7 +170,16 @@ class Gateway:
         if self.config.block_size is None:
             self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
         if self.config.kv_events:
-            self.kv_events = await start_for(self)  # wraps self.index
+            self.kv_events = await start_for(
+                self.config,
+                self.fleet,
+                self.index,
+                lambda: self.block_size,
+                self.metrics,
+                self.fleet_mode,
+            )
+            self.index = self.kv_events.index  # the events' index over the gateway's
+            self.observers.append(SettleOnOutcome(self.kv_events.settle, self.kv_events.reject))
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
         if self.renderer is None:
@@ -258,6 +267,8 @@ class Gateway:
     async def _on_fleet_event(self, replica: Replica, event: str) -> None:
         if event == "models" and self.fleet is not None and self.fleet.base_model():
             self._model_reported.set()
+        if self.kv_events is not None:  # a health gap may hide a restart from the stream
+            self.kv_events.on_fleet_event(replica.url, event)
         if event in ("removed", "restarted"):
             await self.index.drop_replica(replica.url)
         if event == "capacity":

@@ -12,6 +12,7 @@ Everything from the wire is untrusted: a malformed message raises ``WireError`` 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,8 @@ Hash = int | bytes
 MAX_HASH_BYTES = 64
 MAX_TOKEN_ID = 2**32 - 1  # router.blocks packs token ids as uint32
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
-_STORED_TAIL = ("medium", "lora_name", "extra_keys")
+_STORED_TAIL = ("medium", "lora_name", "extra_keys", "group_idx")
+MEDIUM_GPU = "GPU"
 
 
 class WireError(ValueError):
@@ -39,6 +41,8 @@ class BlockStored:
     block_size: int
     lora_name: str | None
     extra_keys: list[Any] | None
+    medium: str | None = MEDIUM_GPU  # "GPU", or an offload tier ("CPU", ...); None: GPU
+    group_idx: int | None = None  # the KV cache group (hybrid models have several)
 
     def cache_salt(self) -> str | None:
         """The ``cache_salt`` of block 0, when this event starts a chain. vLLM publishes each
@@ -58,6 +62,8 @@ class BlockStored:
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[Hash]
+    medium: str | None = MEDIUM_GPU
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,22 +98,49 @@ def parse_frames(frames: list[bytes]) -> tuple[int, bytes]:
 def decode_batch(payload: bytes, max_items: int = 4_000_000) -> list[Event]:
     """The events of one payload, in order. Raises ``WireError`` when the payload is not an
     event batch at all."""
+    return list(iter_events(payload, max_items))
+
+
+def iter_events(payload: bytes, max_items: int = 4_000_000) -> Iterator[Event]:
+    """The events of one payload, decoded one at a time (a caller can yield to its loop
+    between them: a 40 MB batch decoded at once held the loop for 0.7 s). Raises
+    ``WireError`` (possibly after some events) when the payload is not an event batch."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        max_buffer_size=max(1, len(payload)),
+        max_array_len=max_items,
+        max_map_len=1024,
+        max_str_len=1 << 20,
+        max_bin_len=1 << 20,
+        max_ext_len=0,
+    )
     try:
-        batch = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=False,
-            max_array_len=max_items,
-            max_map_len=1024,
-            max_str_len=1 << 20,
-            max_bin_len=1 << 20,
-            max_ext_len=0,
-        )
-    except Exception as e:  # msgpack raises several types, and ValueError on limits
-        raise WireError("msgpack", type(e).__name__) from None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise WireError("batch", "not [ts, events, ...]")
-    return [_event(e) for e in batch[1]]
+        unpacker.feed(payload)
+        if unpacker.read_array_header() < 2:
+            raise WireError("batch", "not [ts, events, ...]")
+        unpacker.skip()  # ts
+        n = unpacker.read_array_header()
+    except WireError:
+        raise
+    except Exception as e:  # msgpack raises several types (and ValueError on limits)
+        raise WireError(_shape_or_bytes(payload), type(e).__name__) from None
+    for _ in range(n):
+        try:
+            raw = unpacker.unpack()
+        except Exception as e:
+            raise WireError("msgpack", type(e).__name__) from None
+        yield _event(raw)
+
+
+def _shape_or_bytes(payload: bytes) -> str:
+    """Why a payload is not a batch: ``batch`` when it is one msgpack object of another
+    shape, ``msgpack`` when it is not msgpack at all."""
+    try:
+        msgpack.unpackb(payload, strict_map_key=False, max_ext_len=0)
+    except Exception:
+        return "msgpack"
+    return "batch"
 
 
 def _event(raw: Any) -> Event:
@@ -127,7 +160,11 @@ def _event(raw: Any) -> Event:
         if kind == "BlockStored":
             return _stored(fields)
         if kind == "BlockRemoved":
-            return BlockRemoved(_hashes(fields.get("block_hashes")))
+            return BlockRemoved(
+                _hashes(fields.get("block_hashes")),
+                _medium(fields.get("medium")),
+                _group(fields.get("group_idx")),
+            )
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()
     except WireError as e:
@@ -168,4 +205,25 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     extra = f.get("extra_keys")
     if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
         raise WireError("extra_keys", "not one entry per block")
-    return BlockStored(hashes, parent, tokens, size, lora, extra)
+    return BlockStored(
+        hashes,
+        parent,
+        tokens,
+        size,
+        lora,
+        extra,
+        _medium(f.get("medium", MEDIUM_GPU)),
+        _group(f.get("group_idx")),
+    )
+
+
+def _medium(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and len(value) <= 64):
+        return value
+    raise WireError("medium", "not a string")
+
+
+def _group(value: Any) -> int | None:
+    if value is None or (type(value) is int and 0 <= value < 1 << 16):
+        return value
+    raise WireError("group_idx", "not a small int")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -41,3 +41,32 @@ class PrefixIndex(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class SharedIndex(PrefixIndex, Protocol):
+    """A shared index (fleet mode: Redis) in front of this gateway's own copy, as the KV event
+    subscriber uses it (``router.index.resilient.ResilientIndex``)."""
+
+    @property
+    def local(self) -> PrefixIndex:
+        """This gateway's copy: every write lands here, reads fall back to it."""
+        ...
+
+    @property
+    def primary(self) -> PrefixIndex:
+        """The shared index itself."""
+        ...
+
+    @property
+    def redis_up(self) -> bool:
+        """Whether writes reach the primary now (else they are skipped)."""
+        ...
+
+    @property
+    def transitions(self) -> int:
+        """Up->down and down->up changes so far (writes were skipped in between)."""
+        ...
+
+    async def write_primary(self, what: str, make: Callable[[], Awaitable[Any]]) -> bool:
+        """A write to the primary alone; True if it landed."""
+        ...

@@ -45,19 +45,26 @@ takeover).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
+from router.index.base import PrefixIndex
 from router.kv_events.ownership import StreamLeases
 from router.kv_events.placements import SettleOnOutcome
 from router.kv_events.precise_index import PreciseIndex
 from router.kv_events.streams import Endpoints, Stream, endpoints_from_config
 from router.kv_events.subscriber import KVEventSubscriber
 
+if TYPE_CHECKING:
+    from router.config import Config
+    from router.fleet import Fleet
+    from router.fleet_mode import FleetMode
+
 __all__ = [
     "Endpoints",
     "KVEventSubscriber",
     "PreciseIndex",
+    "SettleOnOutcome",
     "Stream",
     "StreamLeases",
     "endpoints_from_config",
@@ -65,11 +72,17 @@ __all__ = [
 ]
 
 
-async def start_for(gateway: Any) -> KVEventSubscriber:
-    """The subscriber for a ``router.gateway.Gateway`` per its config, started; the gateway's
-    index becomes the subscriber's ``PreciseIndex``."""
-    config = gateway.config
-    fleet = gateway.fleet
+async def start_for(
+    config: Config,
+    fleet: Fleet,
+    index: PrefixIndex,
+    block_size: Callable[[], int],
+    metrics: Any,
+    fleet_mode: FleetMode | None,
+) -> KVEventSubscriber:
+    """The subscriber for a gateway's fleet and index per its config, started. The gateway
+    routes with its ``index`` (a ``PreciseIndex`` over ``index``) from then on, and gives
+    each request's outcome to ``SettleOnOutcome(sub.settle, sub.reject)``."""
 
     def endpoints(urls: Iterable[str]) -> dict[str, Endpoints]:
         return endpoints_from_config(
@@ -80,7 +93,6 @@ async def start_for(gateway: Any) -> KVEventSubscriber:
         )
 
     leases = None
-    fleet_mode = getattr(gateway, "fleet_mode", None)
     if fleet_mode is not None and fleet_mode.sync is not None:
         sync = fleet_mode.sync
         leases = StreamLeases(
@@ -91,16 +103,14 @@ async def start_for(gateway: Any) -> KVEventSubscriber:
             interval_s=config.sync_interval_s,
         )
     sub = KVEventSubscriber(
-        gateway.index,
+        index,
         endpoints,
         lambda: list(fleet.replicas),
-        lambda: gateway.block_size,
+        block_size,
         topic=config.kv_events_topic,
         timeout_s=config.kv_events_timeout_s,
-        metrics=gateway.metrics,
+        metrics=metrics,
         leases=leases,
     )
-    gateway.index = sub.index
-    gateway.observers.append(SettleOnOutcome(sub.settle))
     await sub.start()
     return sub

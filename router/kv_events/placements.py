@@ -32,11 +32,22 @@ class Placements:
         # lazy tail's head record, made before the rest of the prompt was tokenized.
         self._by_last: dict[int, list[Any]] = {}
         self._order = itertools.count()
+        # block -> valid entries placing it: a check spares what another placement still
+        # waits for (two requests for one prefix, one of them rejected)
+        self._pending: dict[int, int] = {}
         self.blocks = 0  # blocks over the valid entries (a block placed twice counts twice)
         self.retracted = 0  # blocks retracted so far
 
     def __len__(self) -> int:
         return len(self._by_list)
+
+    def __contains__(self, block_hash: int) -> bool:
+        """Whether some placement not checked yet placed this block."""
+        return block_hash in self._pending
+
+    def hashes(self) -> list[int]:
+        """Every block some placement not checked yet placed."""
+        return list(self._pending)
 
     def add(self, deadline: float, block_hashes: Sequence[int]) -> None:
         if block_hashes:
@@ -45,6 +56,18 @@ class Placements:
             self._by_list[id(block_hashes)] = entry  # the entry keeps the list (and its id)
             self._by_last[block_hashes[-1]] = entry
             self.blocks += len(block_hashes)
+            pending = self._pending
+            for h in block_hashes:
+                pending[h] = pending.get(h, 0) + 1
+
+    def _unpend(self, block_hashes: Sequence[int]) -> None:
+        pending = self._pending
+        for h in block_hashes:
+            n = pending.get(h, 0) - 1
+            if n > 0:
+                pending[h] = n
+            else:
+                pending.pop(h, None)
 
     def settle(self, deadline: float, block_hashes: Sequence[int]) -> bool:
         """The placement's request is answered: check it, and every placement of a prefix of
@@ -64,6 +87,7 @@ class Placements:
                 hashes = due[2]
                 due[3] = False
                 self.blocks -= len(hashes)
+                self._unpend(hashes)
                 self.add(deadline, hashes)
         return found
 
@@ -76,6 +100,7 @@ class Placements:
                 continue
             hashes = entry[2]
             self.blocks -= len(hashes)
+            self._unpend(hashes)
             if self._by_list.get(id(hashes)) is entry:
                 del self._by_list[id(hashes)]
             if self._by_last.get(hashes[-1]) is entry:
@@ -87,15 +112,25 @@ class Placements:
         self._heap.clear()
         self._by_list.clear()
         self._by_last.clear()
+        self._pending.clear()
         self.blocks = 0
 
 
 class SettleOnOutcome:
     """A gateway observer (``Gateway.observers``): each answered request settles its
-    placement (``KVEventSubscriber.settle``)."""
+    placement (``KVEventSubscriber.settle``); one the replica refused (a 4xx: vLLM validates
+    before it schedules anything) is checked at once (``KVEventSubscriber.reject``)."""
 
-    def __init__(self, settle: Callable[[str, Sequence[int]], None]) -> None:
+    def __init__(
+        self,
+        settle: Callable[[str, Sequence[int]], None],
+        reject: Callable[[str, Sequence[int]], None],
+    ) -> None:
         self._settle = settle
+        self._reject = reject
 
     def observe(self, rr: Any, decision: Any, outcome: Any) -> None:
-        self._settle(decision.replica, rr.block_hashes)
+        if 400 <= outcome.status < 500:
+            self._reject(decision.replica, rr.block_hashes)
+        else:
+            self._settle(decision.replica, rr.block_hashes)

@@ -1,9 +1,10 @@
-"""One replica's KV event stream: where its publisher is, and what its events taught."""
+"""One replica's KV event stream: where its publisher is, where in its sequence we are, and
+what its events taught."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,10 +13,8 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
+from router.kv_events.holders import Holders
 from router.kv_events.placements import Placements
-from router.kv_wire import (
-    Hash,
-)
 
 OPLOG_BATCHES = 4096  # a takeover further behind than this resyncs instead
 
@@ -55,30 +54,42 @@ def endpoints_from_config(
 
 @dataclass
 class Stream:
-    """One replica's event stream and what it taught us."""
+    """One replica's event stream: its sockets, its position in the publisher's sequence,
+    what its events taught (``holders``) and the placements they have yet to confirm."""
 
     url: str
     endpoints: Endpoints
     sub: zmq.asyncio.Socket | None = None
+    monitor: zmq.asyncio.Socket | None = None  # its socket monitor (connects, disconnects)
+    monitor_sync: zmq.Socket[bytes] | None = None  # the same, read without waiting
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one applier at a time, in order
     connected: bool = False
     disconnects: int = 0
     disconnected_since: float | None = None
     up: bool = False
-    last_applied: int | None = None  # seq of the last batch applied
+    # Position: the seq and payload checksum of the last batch applied, and whether that is
+    # known to be the current publisher's (false after a disconnect or a restart until the
+    # replay socket confirms it, or a resync from seq 0 replaces it).
+    last_applied: int | None = None
+    last_crc: int | None = None
+    verified: bool = False
+    checked_at: float = float("-inf")  # when the replay last checked the position
     live_seq: int | None = None  # seq of the last message on the SUB socket
     expect_since: float | None = None  # a placement not followed by any event yet
-    # vLLM hash -> [gateway hash, holders]; gateway hash -> holders
-    held: dict[Hash, list[int]] = field(default_factory=dict)
-    gw_holders: dict[int, int] = field(default_factory=dict)
-    memo: OrderedDict[Hash, int] = field(default_factory=OrderedDict)
+    holders: Holders = field(default_factory=Holders)
     capacity: int | None = None
+    # The index may differ from ``holders`` (trimmed by the approximate model's LRU while
+    # the stream was down): rebuilt from them once the stream is up again.
+    rebuild: bool = False
     # The gateway's placements on this replica whose blocks the events have yet to confirm.
     placements: Placements = field(default_factory=Placements)
     batches: int = 0
     resets: int = 0
+    restarts: int = 0  # new publisher processes noticed (each resynced from its seq 0)
+    rebuilds: int = 0
     replays: int = 0
+    other_tier_blocks: int = 0  # blocks stored in an offload tier or another KV cache group
     errors: dict[str, int] = field(default_factory=dict)
     # Fleet mode (router/kv_events/ownership.py): whether this gateway writes the stream's
     # events to the shared index, who holds its lease, the stamp of the last batch applied
@@ -93,13 +104,19 @@ class Stream:
     caught_up: int = 0  # batches replayed into the shared index on takeovers
     resyncs: int = 0  # takeovers that rewrote the replica's shared entry instead
 
+    @property
+    def gw_holders(self) -> Holders:
+        """The gateway hashes the events say are held (``in``, ``len``, iteration)."""
+        return self.holders
+
     def state(self) -> dict[str, Any]:
         return {
             "up": self.up,
             "connected": self.connected,
             "seq": self.last_applied,
-            "blocks": len(self.gw_holders),
+            "blocks": len(self.holders),
             "resets": self.resets,
+            "restarts": self.restarts,
             "unconfirmed_placements": len(self.placements),
             "retracted_blocks": self.placements.retracted,
             "replays": self.replays,

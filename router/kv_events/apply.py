@@ -1,0 +1,187 @@
+"""Events to index writes: a batch's events applied to the stream's holders, its writes to the
+index after them (consecutive removals merged into one ``forget``); resets and rebuilds.
+
+A batch is decoded and applied a slice at a time, yielding to the loop between slices: a
+40 MB batch of 3.9M events decoded at once held ``/health`` for 0.7 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router import blocks
+from router.index.base import PrefixIndex, SharedIndex
+from router.index.resilient import ResilientIndex
+from router.kv_events.holders import counts
+from router.kv_events.streams import Op, Stream
+from router.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Skipped,
+    WireError,
+    iter_events,
+)
+
+log = logging.getLogger("prefix_router.kv_events")
+
+EVENTS_PER_SLICE = 512  # events applied between two yields to the loop
+REBUILD_CHUNK = 2048  # blocks per write when an entry is rebuilt
+
+
+@dataclass(frozen=True)
+class IndexHandle:
+    """Where a stream's writes go: ``index`` (the gateway's, shared in fleet mode) when this
+    gateway owns the stream, else ``local`` (its own copy); ``shared`` in fleet mode."""
+
+    index: PrefixIndex
+    local: PrefixIndex
+    shared: SharedIndex | None
+
+    @classmethod
+    def of(cls, index: PrefixIndex) -> IndexHandle:
+        if isinstance(index, ResilientIndex):
+            return cls(index, index.local, index)
+        return cls(index, index, None)
+
+    def target(self, stream: Stream) -> PrefixIndex:
+        return self.index if stream.owned else self.local
+
+    @property
+    def writes_shared(self) -> bool:
+        """Whether a write to ``index`` reaches the shared index now."""
+        return self.shared is None or self.shared.redis_up
+
+    @property
+    def transitions(self) -> int:
+        return self.shared.transitions if self.shared is not None else 0
+
+
+async def do(index: PrefixIndex, url: str, op: Op) -> None:
+    kind, arg = op
+    if kind == "record":
+        await index.record(url, arg)
+    elif kind == "forget":
+        await index.forget(url, arg)
+    elif kind == "drop":
+        await index.drop_replica(url)
+    elif kind == "capacity":
+        await index.set_capacity(url, arg[0])
+
+
+class Applier:
+    def __init__(
+        self,
+        handle: IndexHandle,
+        block_size: Callable[[], int],
+        count: Callable[[Stream, str], None],
+        capacity_for: Callable[[Stream, int], int],
+    ) -> None:
+        self.handle = handle
+        self._block_size = block_size
+        self.count = count
+        self._capacity_for = capacity_for
+
+    async def apply(self, stream: Stream, seq: int, payload: bytes) -> None:
+        """One batch: its events to the holders, then its writes to the index, logged."""
+        stream.last_applied = seq
+        stream.last_crc = zlib.crc32(payload)
+        stream.batches += 1
+        ops: list[Op] = []
+        stream.oplog.append((f"{seq}:{stream.last_crc}", ops))
+        stream.applying = True
+        shared = stream.owned
+        try:
+            for i, event in enumerate(iter_events(payload), 1):
+                if isinstance(event, BlockStored):
+                    self._stored(stream, event, ops)
+                elif isinstance(event, BlockRemoved):
+                    self._removed(stream, event, ops)
+                elif isinstance(event, AllBlocksCleared):
+                    stream.holders.clear()
+                    stream.placements.clear()  # the entry is dropped: nothing to retract
+                    stream.resets += 1
+                    ops.clear()  # nothing before the clear survives it
+                    ops.append(("drop", []))
+                    if stream.capacity is not None:
+                        cap = self._capacity_for(stream, stream.capacity)
+                        ops.append(("capacity", [cap]))
+                elif isinstance(event, Skipped):
+                    self.count(stream, event.reason)
+                if i % EVENTS_PER_SLICE == 0:
+                    await asyncio.sleep(0)  # a huge batch must not hold the loop
+        except WireError as e:
+            self.count(stream, e.reason)
+        finally:
+            stream.applying = False
+        index = self.handle.target(stream)
+        for op in ops:
+            await do(index, stream.url, op)
+        stream.written = stream.oplog[-1][0]
+        stream.shared_batches += shared and bool(ops)
+
+    async def write(self, stream: Stream, op: Op) -> None:
+        """One write between batches (a reset, a retraction): done now, logged as an entry
+        no stamp names, so a takeover's catch-up replays it too."""
+        stream.oplog.append(("~", [op]))
+        await do(self.handle.target(stream), stream.url, op)
+
+    async def reset(self, stream: Stream, why: str) -> None:
+        """Drop what the events taught about the replica: the events that follow rebuild it."""
+        log.info("KV events for %s: %s; dropping its index entries", stream.url, why)
+        stream.resets += 1
+        stream.holders.clear()
+        stream.placements.clear()  # the entry is dropped: nothing of theirs to retract
+        await self.write(stream, ("drop", []))
+        if stream.capacity is not None:
+            cap = self._capacity_for(stream, stream.capacity)
+            await self.write(stream, ("capacity", [cap]))
+
+    async def rebuild(self, stream: Stream) -> None:
+        """Make the replica's index entry what the events say it holds, plus the placements
+        they have yet to confirm: after an outage, where the approximate model trimmed it in
+        its own LRU order (vLLM evicts a request's tail first; the index did not)."""
+        stream.rebuild = False
+        stream.rebuilds += 1
+        held = list(stream.holders)
+        held += [h for h in stream.placements.hashes() if h not in stream.holders]
+        await self.write(stream, ("drop", []))
+        if stream.capacity is not None:
+            await self.write(stream, ("capacity", [self._capacity_for(stream, stream.capacity)]))
+        for i in range(0, len(held), REBUILD_CHUNK):
+            await self.write(stream, ("record", held[i : i + REBUILD_CHUNK]))
+
+    # -- events ---------------------------------------------------------------------------
+    def _stored(self, stream: Stream, ev: BlockStored, ops: list[Op]) -> None:
+        if not counts(ev.medium, ev.group_idx):
+            stream.other_tier_blocks += len(ev.block_hashes)
+            return
+        if ev.block_size != self._block_size():
+            self.count(stream, "block_size")
+            return
+        holders = stream.holders
+        if ev.parent_block_hash is None:
+            parent = blocks.root_hash(ev.cache_salt(), ev.lora_name)
+        else:
+            found = holders.parent(ev.parent_block_hash)
+            if found is None:
+                self.count(stream, "unknown_parent")
+                return
+            parent = found
+        gws = blocks.continue_chain(parent, ev.token_ids, ev.block_size)
+        holders.store(ev.block_hashes, gws)
+        ops.append(("record", gws))
+
+    def _removed(self, stream: Stream, ev: BlockRemoved, ops: list[Op]) -> None:
+        if not counts(ev.medium, ev.group_idx):
+            return
+        gone = stream.holders.remove(ev.block_hashes)
+        if gone:
+            if ops and ops[-1][0] == "forget":
+                ops[-1][1].extend(gone)  # removals commute: one write
+            else:
+                ops.append(("forget", gone))
