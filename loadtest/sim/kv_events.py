@@ -14,7 +14,10 @@ tested against the simulator reads a real vLLM's stream the same way.
 Endpoints are bound (the simulator is the server); ``tcp://127.0.0.1:*`` takes any free port
 and ``endpoint`` / ``replay_endpoint`` then say which. Test hooks: ``skip_next(n)`` drops the
 next ``n`` messages from the PUB socket while still numbering and buffering them (a subscriber
-sees a gap it can replay), ``mute`` drops every message the same way.
+sees a gap it can replay), ``mute`` drops every message the same way, ``pause()`` /
+``resume()`` close and reopen both sockets on the same ports while the engine goes on
+numbering and buffering (a network outage: subscribers see a disconnect, then the same
+publisher).
 """
 
 from __future__ import annotations
@@ -83,10 +86,12 @@ class KVEventPublisher:
         self._seq = 0
         self._skip = 0
         self.mute = False
+        self.paused = False
         self.endpoint = ""
         self.replay_endpoint: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.Socket[bytes] | None = None
+        self._pub_async: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -95,41 +100,58 @@ class KVEventPublisher:
         return self._seq
 
     async def start(self) -> None:
-        ctx = self._ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
+        self._ctx = zmq.asyncio.Context()
+        await self._open(*self.requested)
+
+    async def _open(self, endpoint: str, replay_endpoint: str | None) -> None:
+        assert self._ctx is not None
+        pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.set_hwm(100_000)
-        self.endpoint = await _bind(pub, self.requested[0])
+        self.endpoint = await _bind(pub, endpoint)
         # Sent from engine callbacks (synchronous code): a plain socket over the same handle.
         self._pub = zmq.Socket.shadow(pub.underlying)
         self._pub_async = pub
-        if self.requested[1]:
-            replay = self._replay = ctx.socket(zmq.ROUTER)
+        if replay_endpoint:
+            replay = self._replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = await _bind(replay, self.requested[1])
+            self.replay_endpoint = await _bind(replay, replay_endpoint)
             self._task = asyncio.create_task(self._serve_replay())
+
+    async def pause(self) -> None:
+        """Close both sockets; messages are still numbered and buffered (not sent)."""
+        self.paused = True
+        await self._close_sockets()
+
+    async def resume(self) -> None:
+        """Reopen both sockets on the same ports: the same publisher, its buffer intact."""
+        await self._open(self.endpoint, self.replay_endpoint)
+        self.paused = False
 
     async def close(self) -> None:
         """Close both sockets at once, like a process that died."""
+        await self._close_sockets()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def _close_sockets(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
-        for sock in (self._replay, getattr(self, "_pub_async", None)):
+        for sock in (self._replay, self._pub_async):
             if sock is not None:
                 sock.close(linger=0)
-        self._replay = self._pub = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        self._replay = self._pub = self._pub_async = None
 
     def skip_next(self, n: int) -> None:
         """Number and buffer the next ``n`` messages but do not send them."""
         self._skip += n
 
     def publish(self, events: list[dict[str, Any]]) -> None:
-        if self._pub is None:
+        if self._ctx is None:
             return
         seq = self._seq
         self._seq += 1
@@ -138,7 +160,7 @@ class KVEventPublisher:
         if self._skip > 0:
             self._skip -= 1
             return
-        if self.mute:
+        if self.mute or self._pub is None:
             return
         try:
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
