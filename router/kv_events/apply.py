@@ -78,7 +78,7 @@ class Applier:
         self,
         handle: IndexHandle,
         block_size: Callable[[], int],
-        count: Callable[[Stream, str], None],
+        count: Callable[[Stream, str, int], None],
         capacity_for: Callable[[Stream, int], int],
     ) -> None:
         self.handle = handle
@@ -95,6 +95,7 @@ class Applier:
         stream.oplog.append((f"{seq}:{stream.last_crc}", ops))
         stream.applying = True
         shared = stream.owned
+        skipped: dict[str, int] = {}  # counted once per batch: junk stays cheap
         try:
             for i, event in enumerate(iter_events(payload), 1):
                 if isinstance(event, BlockStored):
@@ -111,13 +112,15 @@ class Applier:
                         cap = self._capacity_for(stream, stream.capacity)
                         ops.append(("capacity", [cap]))
                 elif isinstance(event, Skipped):
-                    self.count(stream, event.reason)
+                    skipped[event.reason] = skipped.get(event.reason, 0) + 1
                 if i % EVENTS_PER_SLICE == 0:
                     await asyncio.sleep(0)  # a huge batch must not hold the loop
         except WireError as e:
-            self.count(stream, e.reason)
+            self.count(stream, e.reason, 1)
         finally:
             stream.applying = False
+        for reason, n in skipped.items():
+            self.count(stream, reason, n)
         index = self.handle.target(stream)
         for op in ops:
             await do(index, stream.url, op)
@@ -161,7 +164,7 @@ class Applier:
             stream.other_tier_blocks += len(ev.block_hashes)
             return
         if ev.block_size != self._block_size():
-            self.count(stream, "block_size")
+            self.count(stream, "block_size", 1)
             return
         holders = stream.holders
         if ev.parent_block_hash is None:
@@ -169,7 +172,7 @@ class Applier:
         else:
             found = holders.parent(ev.parent_block_hash)
             if found is None:
-                self.count(stream, "unknown_parent")
+                self.count(stream, "unknown_parent", 1)
                 return
             parent = found
         gws = blocks.continue_chain(parent, ev.token_ids, ev.block_size)

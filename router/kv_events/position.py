@@ -42,14 +42,17 @@ class Position:
         if seq <= last:
             return  # applied from a replay
         if seq > last + 1:
-            answered = await self.catch_up(stream)
+            # A replay that just failed is not asked again at once (a hostile or broken
+            # publisher's every message would cost one).
+            retry = stream.replay_ok or time.monotonic() - stream.checked_at > self.retry_s
+            answered = retry and await self.catch_up(stream)
             last = stream.last_applied
             if last is not None and seq <= last:
                 return
             if answered and last is not None:
                 # The publisher's buffer ends before this seq: not its message (one queued
                 # from the process before a restart).
-                self.applier.count(stream, "stale_message")
+                self.applier.count(stream, "stale_message", 1)
                 return
             await self.applier.reset(stream, f"batches after {last} lost, not replayable")
         await self.applier.apply(stream, seq, payload)
@@ -72,7 +75,8 @@ class Position:
             await self.applier.reset(stream, "batches lost beyond the replay buffer")
             stream.last_applied = stream.last_crc = None
             result = await self.replayer.replay(stream)  # join at the buffer's oldest
-        if result is Replay.FAILED:
+        stream.replay_ok = result is not Replay.FAILED
+        if not stream.replay_ok:
             return False
         stream.verified = True
         return True

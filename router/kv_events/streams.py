@@ -75,6 +75,7 @@ class Stream:
     last_crc: int | None = None
     verified: bool = False
     checked_at: float = float("-inf")  # when the replay last checked the position
+    replay_ok: bool = True  # whether that replay answered
     live_seq: int | None = None  # seq of the last message on the SUB socket
     expect_since: float | None = None  # a placement not followed by any event yet
     holders: Holders = field(default_factory=Holders)

@@ -222,10 +222,10 @@ class KVEventSubscriber:
         if self.metrics is not None:
             self.metrics.kv_event_stream_owned.labels(stream.url).set(1 if stream.owned else 0)
 
-    def _count(self, stream: Stream, reason: str) -> None:
-        stream.errors[reason] = stream.errors.get(reason, 0) + 1
+    def _count(self, stream: Stream, reason: str, n: int = 1) -> None:
+        stream.errors[reason] = stream.errors.get(reason, 0) + n
         if self.metrics is not None:
-            self.metrics.kv_events_errors.labels(stream.url, reason).inc()
+            self.metrics.kv_events_errors.labels(stream.url, reason).inc(n)
 
     async def wait(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         """Wait until ``predicate()`` holds, re-checked after every applied batch or state
