@@ -205,10 +205,13 @@ def _plugin_entry_points() -> list[EntryPoint]:
         return found
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
     try:
-        import tomllib
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # the backport, when installed (pytest and mypy bring it)
+            import tomli as tomllib
 
         project = tomllib.loads(pyproject.read_text()).get("project", {})
-    except (ImportError, OSError, ValueError):  # no tomllib (3.10), no file, bad TOML
+    except (ImportError, OSError, ValueError):  # no tomli (3.10), no file, bad TOML
         return []
     if project.get("name") != "prefix-router":
         return []

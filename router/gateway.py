@@ -217,7 +217,7 @@ class Gateway:
             self.config.startup_wait_s,
         )
         # The fleet's health loop probes the replicas and fetches their models.
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._model_reported.wait(), self.config.startup_wait_s)
 
     async def _on_discovered(self, urls: list[str]) -> None:

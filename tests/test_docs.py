@@ -96,7 +96,7 @@ def test_the_two_commands_are_the_ones_ci_runs() -> None:
     text = README.read_text()
     assert "\npip install '.[loadtest]' && prefix-router demo\n" in text
     assert "\n./scripts/test.sh\n" in text
-    assert "exec ./scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert './scripts/test.sh --python "$python"' in (ROOT / ".ci" / "run").read_text()
     assert (ROOT / "scripts" / "test.sh").stat().st_mode & 0o111
 
 

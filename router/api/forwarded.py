@@ -4,6 +4,7 @@ replica before the first byte. JSON bodies, and multipart ones (audio uploads) a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,6 @@ async def forward_get(handlers: Handlers, request: web.Request, request_id: str)
                     body=body,
                     headers={"Content-Type": ctype, "x-request-id": request_id},
                 )
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             await gateway.fleet.record_failure(replica, type(e).__name__)
     raise APIError(503, "no healthy replica is available", code="no_replica")
