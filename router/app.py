@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router import startup
 from router.api import routes as api_routes
 from router.config import Config
 from router.errors import APIError
@@ -208,7 +209,9 @@ async def start_gateway(
     await site.start()
     sock = site._server.sockets[0]  # type: ignore[union-attr]
     host, bound = sock.getsockname()[:2]
-    return RunningGateway(f"http://{host}:{bound}", runner, app[GATEWAY_KEY])
+    url = f"http://{host}:{bound}"
+    startup.announce(app[GATEWAY_KEY], url)
+    return RunningGateway(url, runner, app[GATEWAY_KEY])
 
 
 def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoop) -> None:
@@ -221,6 +224,7 @@ def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoo
         try:
             site = web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1)
             await site.start()
+            startup.announce(app[GATEWAY_KEY], f"http://{config.host}:{config.port}")
             await asyncio.Event().wait()  # until a signal raises GracefulExit
         finally:
             await runner.cleanup()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,42 @@ def parse_vllm_metrics(text: str) -> ReplicaStats:
     return s
 
 
+HEALTH_TIMEOUT_S = 3.0
+
+
+def health_status_error(status: int) -> str | None:
+    """Why a /health answer with this status takes a replica out of rotation (None: 200)."""
+    if status == 200:
+        return None
+    if status == 404:
+        return (
+            "GET /health answered 404: a wrong path? the replica URL is vLLM's base URL "
+            "(http://host:port), without /v1"
+        )
+    if status in (401, 403):
+        return f"GET /health answered {status}: the replica wants a key (set upstream_api_key)"
+    kind = "server error" if status >= 500 else "not 200"
+    return f"GET /health answered {status} ({kind}; vLLM answers 503 while it loads or fails)"
+
+
+def health_exception_error(e: BaseException) -> str:
+    """Why a /health request failed, in words: refused, timed out, unresolvable, reset."""
+    if isinstance(e, asyncio.TimeoutError):
+        return f"no answer to GET /health within {HEALTH_TIMEOUT_S:g} s (timeout)"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        os_error = e.os_error
+        if isinstance(os_error, socket.gaierror):
+            return f"cannot resolve the host name ({os_error.strerror or os_error})"
+        if isinstance(os_error, ConnectionRefusedError):
+            return "connection refused (nothing listens on that host and port: not started yet?)"
+        return f"cannot connect: {os_error.strerror or os_error}"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "the connection closed before an answer (is it an HTTP server? https vs http?)"
+    if isinstance(e, aiohttp.ClientResponseError):
+        return f"not an HTTP answer: {e.message}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 @dataclass
 class Replica:
     url: str
@@ -90,6 +127,7 @@ class Replica:
     models_known: bool = False
     # Outlier detection (times on the fleet's clock). ``healthy`` is health_ok and not ejected.
     health_ok: bool = True  # the last /health answered 200
+    health_error: str | None = None  # why the last /health failed, in words (None: it passed)
     ejected_at: float | None = None
     ejected_until: float | None = None
     ejection_reason: str | None = None  # "consecutive_failures" or "error_ratio"
@@ -406,11 +444,13 @@ class Fleet:
 
     async def _check_health(self, replica: Replica) -> None:
         try:
-            async with await self._get(replica, "/health", 3.0) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            ok = False
-        replica.health_ok = ok
+            async with await self._get(replica, "/health", HEALTH_TIMEOUT_S) as resp:
+                error = health_status_error(resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            error = health_exception_error(e)
+        ok = error is None
+        changed = error != replica.health_error
+        replica.health_ok, replica.health_error = ok, error
         if ok and not replica.healthy and not replica.ejected:  # ejected: wait its time out
             replica.healthy, replica.failures = True, 0
             replica.clean_since = self.clock()
@@ -419,8 +459,10 @@ class Fleet:
             await asyncio.gather(self._scrape(replica), self._fetch_models(replica))
         elif not ok and replica.healthy:
             replica.healthy = False
-            log.warning("replica %s failed its health check", replica.url)
+            log.warning("replica %s failed its health check: %s", replica.url, error)
             await self._emit(replica, "unhealthy")
+        elif not ok and changed:  # still out of rotation, for another reason now
+            log.info("replica %s still failing its health check: %s", replica.url, error)
 
     async def _scrape(self, replica: Replica) -> None:
         try:

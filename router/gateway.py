@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +36,7 @@ from router.forward import Outcome, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
 from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
 from router.limits import BodyLimits, check_fits
-from router.loading import load_renderer
+from router.loading import load_renderer, tokenizer_source
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
 from router.parse import parse_body, parse_json_object
@@ -93,6 +93,8 @@ class Gateway:
         self.ring = HashRing(virtual_nodes=config.virtual_nodes)
         self.policy = from_config(config, self.ring)  # config.schedule + the policy flags
         self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        self.block_size_source = "--block-size" if config.block_size else "the default"
+        self.tokenizer_source = "given by the caller" if renderer is not None else "not loaded"
         self.chain_cache = blocks.ChainCache()
         # Route on a prompt's head and tokenize the rest off the critical path
         # (router/lazy_tail.py), where the policy provably decides the same.
@@ -126,6 +128,11 @@ class Gateway:
             share_of(config.max_inflight_body_bytes, config.client_share, config.max_body_bytes),
         )
         self._model_reported = asyncio.Event()  # a replica reported its models (start-up wait)
+        # Start-up announcements (router/startup.py): listening, "gateway ready" said, and
+        # watchers of the fleet's replica events: await listener(replica, event).
+        self.listening = False
+        self.announced_ready = False
+        self.fleet_listeners: list[Callable[[Replica, str], Awaitable[None]]] = []
 
     @property
     def receiving_bytes(self) -> int:
@@ -134,6 +141,13 @@ class Gateway:
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:  # a failed or interrupted start leaves no session or task open
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
@@ -168,7 +182,13 @@ class Gateway:
             self.index = await self.fleet_mode.start()
         self.sync_ring()
         if self.config.block_size is None:
-            self.block_size = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
+            reported = self.fleet.block_size()
+            self.block_size = reported or DEFAULT_BLOCK_SIZE
+            self.block_size_source = (
+                "reported by the replicas in vllm:cache_config_info"
+                if reported
+                else "the default: no replica reported vllm:cache_config_info"
+            )
         if self.config.kv_events:
             self.kv_events = await start_for(
                 self.config,
@@ -183,27 +203,17 @@ class Gateway:
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
         if self.renderer is None:
-            try:
-                self.renderer = await asyncio.get_running_loop().run_in_executor(
-                    self.executor,
-                    load_renderer,
-                    self.config.tokenizer,
-                    self.fleet.base_model(),
-                    self.config.max_prompt_chars,
-                )
-            except BaseException:
-                await self.stop()  # exit cleanly: no half-open sessions or tasks left behind
-                raise
+            self.renderer = await asyncio.get_running_loop().run_in_executor(
+                self.executor,
+                load_renderer,
+                self.config.tokenizer,
+                self.fleet.base_model(),
+                self.config.max_prompt_chars,
+            )
+            self.tokenizer_source = tokenizer_source(self.config.tokenizer, self.fleet.base_model())
         # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
         await asyncio.get_running_loop().run_in_executor(
             self.executor, self.renderer.max_chars_per_token
-        )
-        log.info(
-            "gateway ready: %d replicas (%d healthy), policy %s, block size %d",
-            len(self.fleet.replicas),
-            len(self.fleet.healthy()),
-            self.policy.name,
-            self.block_size,
         )
 
     async def _wait_for_a_model(self) -> None:
@@ -212,9 +222,15 @@ class Gateway:
         assert self.fleet is not None
         if self.config.tokenizer or self.fleet.base_model():
             return
+        states = "; ".join(
+            f"{r.url}: {'up' if r.healthy else r.health_error or 'not checked yet'}"
+            for r in self.fleet.replicas.values()
+        )
         log.info(
-            "waiting up to %gs for a replica to report its model (or pass --tokenizer)",
+            "waiting up to %gs for a replica to report its model at /v1/models (no --tokenizer "
+            "given; pass one to start without waiting): %s",
             self.config.startup_wait_s,
+            states or "no replicas yet",
         )
         # The fleet's health loop probes the replicas and fetches their models.
         with contextlib.suppress(asyncio.TimeoutError):
@@ -276,6 +292,8 @@ class Gateway:
         if event == "ejected":
             self.metrics.ejections.labels(replica.url, replica.ejection_reason or "").inc()
         self.sync_ring()
+        for listener in list(self.fleet_listeners):
+            await listener(replica, event)
 
     @property
     def sync(self) -> FleetSync | None:

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router import startup
 from router.body import content_coding, decode_body
 from router.budget import peer_key
 from router.errors import APIError
@@ -370,6 +371,7 @@ class Handlers:
                 "healthy_replicas": healthy,
                 "replicas": len(self.gw.fleet.replicas),
                 "draining": self.gw.draining,
+                "waiting_for": startup.waiting_for(self.gw),  # null when ready
             },
             status=200 if ok else 503,
         )

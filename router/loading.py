@@ -23,13 +23,31 @@ def _model_vocab_size(name: str) -> int:
     return 2**32 - 1
 
 
+def tokenizer_name(tokenizer: str | None, model: str | None) -> str | None:
+    """What to load: ``tokenizer`` (a directory or a model id) or else ``model`` (the one the
+    replicas report, or a request's), with a model id that has a bundled tokenizer mapped to
+    it (no Hugging Face cache needed)."""
+    wanted = tokenizer or model
+    bundled = tokenizer_for_model(wanted)
+    return str(bundled) if bundled is not None else wanted
+
+
+def tokenizer_source(tokenizer: str | None, model: str | None) -> str:
+    """Where the tokenizer came from, for the start-up summary."""
+    name = tokenizer_name(tokenizer, model)
+    if tokenizer_for_model(tokenizer or model) is not None:
+        return f"the bundled one for {tokenizer or model} ({name})"
+    if tokenizer:
+        return f"{tokenizer} (--tokenizer)"
+    return f"{name} (the model the replicas report, from the local Hugging Face cache)"
+
+
 def load_renderer(
     tokenizer: str | None, reported_model: str | None, max_prompt_chars: int = 4_000_000
 ) -> Renderer:
-    bundled = None if tokenizer else tokenizer_for_model(reported_model)
-    if bundled is not None:
-        log.info("tokenizer: the bundled one for %s (%s)", reported_model, bundled)
-    name = tokenizer or (str(bundled) if bundled else reported_model)
+    name = tokenizer_name(tokenizer, reported_model)
+    if tokenizer_for_model(tokenizer or reported_model) is not None:
+        log.info("tokenizer: %s", tokenizer_source(tokenizer, reported_model))
     if not name:
         raise SystemExit(
             "prefix-router: no --tokenizer given and no replica answered /v1/models with a "
