@@ -23,6 +23,7 @@ from aiohttp import web
 
 from router import startup
 from router.api import routes as api_routes
+from router.api.paths import wrong_base_path
 from router.config import Config
 from router.errors import APIError
 from router.gateway import Gateway
@@ -75,6 +76,10 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPRequestEntityTooLarge as e:
         return APIError(413, f"request body too large: {e.text}").response(rid)
     except web.HTTPException as e:
+        if e.status == 404:
+            wrong = wrong_base_path(request, rid)
+            if wrong is not None:
+                return wrong
         if e.status >= 400:
             return APIError(e.status, e.reason or "error").response(rid)
         raise
