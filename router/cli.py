@@ -38,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
     except ConfigError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(e.problems) from None
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
@@ -51,6 +51,12 @@ def _serve(args: argparse.Namespace) -> int:
     # Checked now, not after seconds of tokenizer loading and replica probing.
     check_tokenizer("--tokenizer", config.tokenizer)
     check_file("--api-keys-file", config.api_keys_file)
+    try:
+        from router.tenancy import load_table
+
+        load_table(config)  # --auth's missing settings now, all at once, before starting
+    except ConfigError as e:
+        raise UsageError(e.problems) from None
     check_can_listen(config.host, config.port, reuse_port=config.workers > 1)
     if config.metrics_port:
         check_can_listen(config.host, config.metrics_port, flag="--metrics-port")
@@ -84,7 +90,7 @@ def _run_worker(config: Config) -> int:
     try:
         app = build_app(config, extensions=SERVED_EXTENSIONS)
     except ConfigError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(e.problems) from None
     _log_lifecycle(app, config)
     app.on_startup.append(_freeze_start_up_objects)  # after the gateway's own start
     try:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import ipaddress
 import os
 import re
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,12 @@ ENV_PREFIX = "PREFIX_ROUTER_"
 
 
 class ConfigError(ValueError):
-    """A configuration problem, phrased for the person who wrote the config."""
+    """Configuration problems, phrased for the person who wrote the config: ``problems``
+    lists every one found (the message is them, one a line)."""
+
+    def __init__(self, problems: str | Sequence[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 def _opt(default: Any, help: str, *, flag: bool = True, secret: bool = False) -> Any:
@@ -287,32 +294,39 @@ class Config:
     )
 
     def validate(self) -> Config:
+        """This config, or a ConfigError listing every problem in it (not just the first)."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def problems(self) -> list[str]:
+        """Every problem with this config's values, one sentence each."""
+        problems: list[str] = []
         if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be 1..65535, got {self.port}")
+            problems.append(f"port must be 1..65535, got {self.port}")
         if self.metrics_port is not None and not (
             0 < self.metrics_port < 65536 and self.metrics_port != self.port
         ):
-            raise ConfigError(
+            problems.append(
                 f"metrics_port must be 1..65535 and differ from port, got {self.metrics_port}"
             )
         if self.block_size is not None and self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+            problems.append(f"block_size must be positive, got {self.block_size}")
         if self.body_timeout_s <= 0:
-            raise ConfigError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
+            problems.append(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.max_inflight_body_bytes < self.max_body_bytes:
-            raise ConfigError(
+            problems.append(
                 f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes})"
             )
         if not 0 < self.client_share <= 1:
-            raise ConfigError(f"client_share must be in (0, 1], got {self.client_share}")
+            problems.append(f"client_share must be in (0, 1], got {self.client_share}")
         for net in self.admin_networks:
             try:
                 ipaddress.ip_network(net, strict=False)
             except ValueError:
-                raise ConfigError(
-                    f"admin_networks: {net!r} is not a network (e.g. 127.0.0.0/8)"
-                ) from None
+                problems.append(f"admin_networks: {net!r} is not a network (e.g. 127.0.0.0/8)")
         for name in (
             "max_json_depth",
             "max_json_nodes",
@@ -324,18 +338,18 @@ class Config:
             "max_connections",
         ):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+            problems.append(f"workers must be >= 1, got {self.workers}")
         if self.load_bound < 1.0:
-            raise ConfigError(f"load_bound must be >= 1.0, got {self.load_bound}")
+            problems.append(f"load_bound must be >= 1.0, got {self.load_bound}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise ConfigError(
+            problems.append(
                 f"log_level must be debug, info, warning or error, got {self.log_level!r}"
             )
         for url in self.replicas:
             if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"replica URL must start with http:// or https://: {url!r}")
+                problems.append(f"replica URL must start with http:// or https://: {url!r}")
         positive = (
             "outlier_window_s",
             "ejection_base_s",
@@ -351,43 +365,52 @@ class Config:
         )
         for name in positive:
             if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.eject_after_failures < 1 or self.outlier_min_requests < 1:
-            raise ConfigError("eject_after_failures and outlier_min_requests must be >= 1")
+            problems.append("eject_after_failures and outlier_min_requests must be >= 1")
         if not 0 < self.outlier_error_ratio < 1:
-            raise ConfigError(
+            problems.append(
                 f"outlier_error_ratio must be between 0 and 1, got {self.outlier_error_ratio}"
             )
         if not 0 <= self.max_ejected_percent <= 100:
-            raise ConfigError(f"max_ejected_percent must be 0..100, got {self.max_ejected_percent}")
+            problems.append(f"max_ejected_percent must be 0..100, got {self.max_ejected_percent}")
         if self.first_byte_timeout_factor < 1:
-            raise ConfigError(
+            problems.append(
                 f"first_byte_timeout_factor must be >= 1, got {self.first_byte_timeout_factor}"
             )
         if not 0 < self.kv_events_port < 65536 or (
             self.kv_events_replay_port is not None and not 0 < self.kv_events_replay_port < 65536
         ):
-            raise ConfigError("kv_events_port and kv_events_replay_port must be 1..65535")
+            problems.append("kv_events_port and kv_events_replay_port must be 1..65535")
         if self.redis_refresh_blocks < 0:
-            raise ConfigError(
+            problems.append(
                 f"redis_refresh_blocks must be >= 0 (0: every block), got {self.redis_refresh_blocks}"
             )
         if self.kv_events_timeout_s <= 0:
-            raise ConfigError(
-                f"kv_events_timeout_s must be positive, got {self.kv_events_timeout_s}"
-            )
+            problems.append(f"kv_events_timeout_s must be positive, got {self.kv_events_timeout_s}")
         for url, ep in self.kv_events_endpoints.items():
             given = ep.get("endpoint") if isinstance(ep, dict) else ep
             if not isinstance(given, str) or not given.startswith(("tcp://", "ipc://")):
-                raise ConfigError(
+                problems.append(
                     f"kv_events_endpoints[{url!r}] must be tcp://host:port (or a mapping with "
                     "endpoint and replay_endpoint)"
                 )
+        for url in self.replicas:
+            if url.rstrip("/").endswith("/v1"):
+                problems.append(
+                    f"replica URL {url!r} ends in /v1: give vLLM's base URL "
+                    f"({url.rstrip('/').removesuffix('/v1')}); the gateway adds the paths"
+                )
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            problems.append(
+                f"redis_url must start with redis://, rediss:// or unix://, got "
+                f"{mask_url_credentials(self.redis_url)!r} (e.g. redis://127.0.0.1:6379/0)"
+            )
         try:
             check_config(self)
         except ScheduleError as e:
-            raise ConfigError(str(e)) from None
-        return self
+            problems.append(str(e))
+        return problems
 
     def redacted(self) -> dict[str, Any]:
         """The effective config as a dict, with secrets masked (safe to print or log)."""
@@ -520,14 +543,197 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
+# Optional nested sections of the YAML file: ``fleet: {redis_url: ...}`` sets what the flat key
+# ``redis_url`` sets (flags and PREFIX_ROUTER_* names stay flat). Inside a section a key may
+# drop the section's prefix (``kv_events: {port: 5557}``), and ``enabled`` is the switch the
+# section is named after. A new field is a YAML key with no entry here; a new section is one.
+@dataclass(frozen=True)
+class Section:
+    fields: tuple[str, ...]
+    prefix: str = ""  # dropped from a field's name inside the section
+    enabled: str | None = None  # the field ``enabled:`` sets
+
+    def keys(self) -> dict[str, str]:
+        """Key inside the section -> field."""
+        out = {name: name for name in self.fields}
+        out.update(
+            {n.removeprefix(self.prefix): n for n in self.fields if n.startswith(self.prefix)}
+        )
+        if self.enabled:
+            out["enabled"] = self.enabled
+        return out
+
+
+SECTIONS: dict[str, Section] = {
+    "server": Section(
+        (
+            "host",
+            "port",
+            "metrics_port",
+            "log_level",
+            "workers",
+            "tokenize_threads",
+            "startup_wait_s",
+            "shutdown_grace_s",
+        ),
+    ),
+    "routing": Section(
+        (
+            "tokenizer",
+            "block_size",
+            "policy",
+            "max_hashed_blocks",
+            "capacity_blocks",
+            "load_bound",
+            "virtual_nodes",
+            "decode_cost_tokens",
+            "lazy_tail",
+            "decision_headers",
+        ),
+    ),
+    "health": Section(
+        (
+            "health_interval_s",
+            "metrics_interval_s",
+            "eject_after_failures",
+            "outlier_window_s",
+            "outlier_min_requests",
+            "outlier_error_ratio",
+            "ejection_base_s",
+            "ejection_max_s",
+            "ejection_decay_s",
+            "max_ejected_percent",
+        ),
+    ),
+    "forwarding": Section(
+        (
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "first_byte_timeout_factor",
+            "first_byte_timeout_floor_s",
+            "idle_timeout_s",
+            "max_retries",
+            "forward_headers",
+            "upstream_api_key",
+        ),
+    ),
+    "limits": Section(
+        (
+            "max_body_bytes",
+            "body_timeout_s",
+            "max_inflight_body_bytes",
+            "client_share",
+            "max_prompt_chars",
+            "max_tokenize_cpu_s",
+            "max_connections",
+            "header_timeout_s",
+            "keepalive_timeout_s",
+            "max_json_depth",
+            "max_json_nodes",
+            "max_string_chars",
+            "max_messages",
+            "max_content_parts",
+            "max_tools",
+            "max_template_kwargs",
+        ),
+    ),
+    "fleet": Section(
+        (
+            "redis_url",
+            "redis_prefix",
+            "redis_timeout_ms",
+            "sync_interval_s",
+            "redis_refresh_blocks",
+        ),
+        prefix="redis_",
+    ),
+    "kv_events": Section(
+        (
+            "kv_events_port",
+            "kv_events_replay_port",
+            "kv_events_endpoints",
+            "kv_events_topic",
+            "kv_events_timeout_s",
+        ),
+        prefix="kv_events_",
+        enabled="kv_events",
+    ),
+    "discovery": Section(
+        ("discovery_dns", "discovery_port", "discovery_interval_s"), prefix="discovery_"
+    ),
+    "auth": Section(
+        (
+            "api_keys_file",
+            "tenant_header",
+            "salt_policy",
+            "salt_secret",
+            "tenants",
+            "public_prefixes",
+            "admin_key",
+            "admin_networks",
+        ),
+        enabled="auth",
+    ),
+}
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'block_size'?)`` for a near miss, else ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _flatten(data: dict[Any, Any], path: str, problems: list[str]) -> dict[str, Any]:
+    """The file's keys as fields: sections opened, aliases resolved, unknown keys reported."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    out: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    def put(name: str, value: Any, key: str) -> None:
+        if name in out:
+            problems.append(f"{path}: {name} is set twice ({where[name]} and {key})")
+            return
+        out[name], where[name] = value, key
+
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        section = SECTIONS.get(name)
+        if section is not None and isinstance(value, dict):
+            inner = section.keys()
+            for k, v in value.items():
+                kname = str(k).replace("-", "_")
+                if kname in inner:
+                    put(inner[kname], v, f"{name}.{k}")
+                else:
+                    hint = did_you_mean(kname, inner)
+                    problems.append(f"{path}: unknown key {k!r} in section {name!r}{hint}")
+            continue
+        if name == "replica":
+            name = "replicas"
+        if name in names:
+            put(name, value, str(key))
+        else:
+            hint = did_you_mean(name, [*names, *SECTIONS])
+            problems.append(f"{path}: unknown key {key!r}{hint}")
+    return out
+
+
 def load_config(
     args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any
 ) -> Config:
-    """Defaults < ``--config`` file < ``PREFIX_ROUTER_*`` environment < flags < overrides."""
+    """Defaults < ``--config`` file < ``PREFIX_ROUTER_*`` environment < flags < overrides.
+    Every problem found is reported at once, in one ConfigError."""
     env = dict(os.environ) if env is None else env
     hints = _hints()
     names = {f.name for f in dataclasses.fields(Config)}
     values: dict[str, Any] = {}
+    problems: list[str] = []
+
+    def coerce(name: str, value: Any, source: str) -> None:
+        try:
+            values[name] = _coerce(name, hints[name], value, source)
+        except ConfigError as e:
+            problems.extend(e.problems)
 
     path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
     if path:
@@ -539,39 +745,47 @@ def load_config(
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must be a mapping of keys to values")
-        for key, value in data.items():
-            name = str(key).replace("-", "_")
-            if name == "replica":
-                name = "replicas"
-            if name not in names:
-                raise ConfigError(f"{path}: unknown key {key!r}")
-            values[name] = _coerce(name, hints[name], value, path)
+        for name, value in _flatten(data, path, problems).items():
+            coerce(name, value, path)
         if "schedule" in values:  # its policy and knobs are the top-level settings too
             try:
                 lifted = lift_schedule(values["schedule"])
             except ScheduleError as e:
-                raise ConfigError(f"{path}: {e}") from None
+                problems.append(f"{path}: {e}")
+                lifted = {}
             for name, value in lifted.items():
-                if name in values and values[name] != _coerce(name, hints[name], value, path):
-                    raise ConfigError(f"{path}: {name} is set twice (at top level and in schedule)")
-                values[name] = _coerce(name, hints[name], value, path)
+                try:
+                    same = name not in values or values[name] == _coerce(
+                        name, hints[name], value, path
+                    )
+                except ConfigError as e:
+                    problems.extend(e.problems)
+                    continue
+                if not same:
+                    problems.append(f"{path}: {name} is set twice (at top level and in schedule)")
+                coerce(name, value, path)
 
     for name in names:
         key = ENV_PREFIX + name.upper()
         if key in env:
-            values[name] = _coerce(name, hints[name], env[key], f"environment {key}")
+            coerce(name, env[key], f"environment {key}")
 
     if args is not None:
         for name in names:
             value = getattr(args, name, None)
             if value is not None:
-                values[name] = _coerce(name, hints[name], value, "--" + name.replace("_", "-"))
+                coerce(name, value, "--" + name.replace("_", "-"))
 
     for name, value in overrides.items():
         if name not in names:
-            raise ConfigError(f"unknown config key {name!r}")
+            problems.append(f"unknown config key {name!r}{did_you_mean(name, names)}")
+            continue
         values[name] = value
-    return Config(**values).validate()
+    config = Config(**values)
+    problems += config.problems()
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def dump_yaml(config: Config) -> str:

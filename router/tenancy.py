@@ -278,24 +278,28 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
 
 
 def check_table(config: Config, table: TenantTable) -> None:
-    """What a table needs to serve: a secret if any policy salts, keys if auth is on."""
+    """What a table needs to serve: a secret if any policy salts, keys if auth is on. Every
+    missing setting is reported at once."""
     default_policy = default_salt_policy(config)
     policies = {default_policy, *(t.salt_policy for t in table.tenants.values())}
+    problems = []
     if config.auth and "passthrough" in policies:
         # With auth on, a forwarded client salt could name another tenant's scope.
-        raise ConfigError(
+        problems.append(
             "salt_policy passthrough is for auth off only; with auth on use tenant, "
             "tenant+client, reject or none"
         )
     if policies - {"passthrough"} and not table.secrets:
-        raise ConfigError(
+        problems.append(
             "the salt policy needs a server secret: set salt_secret "
             "(PREFIX_ROUTER_SALT_SECRET) or salt_secrets in api_keys_file"
         )
     if config.auth and not table.keys:
-        raise ConfigError(
+        problems.append(
             "auth is on but no API keys are configured (api_keys_file or PREFIX_ROUTER_API_KEYS)"
         )
+    if problems:
+        raise ConfigError(problems)
 
 
 def default_salt_policy(config: Config) -> str:

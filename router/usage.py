@@ -9,6 +9,7 @@ returns 2. ``--debug`` (or ``PREFIX_ROUTER_DEBUG=1``) lets the traceback through
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import socket
@@ -21,7 +22,12 @@ DEBUG_ENV = "PREFIX_ROUTER_DEBUG"
 
 
 class UsageError(Exception):
-    """Wrong input or environment; the message is one line: the cause, then the fix."""
+    """Wrong input or environment; the message is one line: the cause, then the fix. Several
+    problems found at once (a config's) are one line each, all reported together."""
+
+    def __init__(self, message: str | list[str]) -> None:
+        self.problems = [message] if isinstance(message, str) else list(message)
+        super().__init__("\n".join(self.problems))
 
 
 def debug() -> bool:
@@ -34,10 +40,36 @@ def one_line(text: object) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line (argparse prints the usage first)."""
+    """An argparse parser whose errors are one line (argparse prints the usage first), with
+    a did-you-mean for a misspelt flag."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            message += _flag_hints(self, message.split(":", 1)[1].split())
         self.exit(2, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag of ``parser`` and of its subcommands' parsers."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _option_strings(sub)
+    return found
+
+
+def _flag_hints(parser: argparse.ArgumentParser, given: list[str]) -> str:
+    known = _option_strings(parser)
+    hints = []
+    for arg in given:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -65,6 +97,8 @@ def run(prog: str, main: Callable[[], int]) -> int:
     except UsageError as e:
         if debug():
             raise
+        if len(e.problems) > 1:
+            return _fail_all(prog, e.problems)
         return _fail(prog, str(e))
     except Exception as e:
         if debug():
@@ -74,6 +108,13 @@ def run(prog: str, main: Callable[[], int]) -> int:
 
 def _fail(prog: str, message: str) -> int:
     print(f"{prog}: {one_line(message)}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _fail_all(prog: str, problems: list[str]) -> int:
+    lines = [f"{prog}: {len(problems)} problems, all of them listed:"]
+    lines += [f"  - {one_line(p)}" for p in problems]
+    print("\n".join(lines), file=sys.stderr, flush=True)
     return 2
 
 

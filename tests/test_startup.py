@@ -123,8 +123,8 @@ async def test_no_gateway_ready_while_ready_is_503_and_the_reason_is_named(  # t
 
 
 async def test_health_check_reasons(fleet, gateway, status_server: str, caplog) -> None:  # type: ignore[no-untyped-def]
-    """A wrong path (the URL with /v1: vLLM's /v1/health is a 404), a 5xx, and a listener
-    that never answers: each failure says which."""
+    """A wrong path (the URL with a path prefix vLLM does not serve: a 404), a 5xx, and a
+    listener that never answers: each failure says which."""
     caplog.set_level(logging.INFO, logger="prefix_router")
     (replica,) = await fleet(1)
     silent = socket.socket()
@@ -132,11 +132,11 @@ async def test_health_check_reasons(fleet, gateway, status_server: str, caplog) 
     silent.listen(8)  # accepts connections in the kernel, never answers
     silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
     try:
-        gw = await gateway([replica.url + "/v1", status_server, silent_url])
+        gw = await gateway([replica.url + "/api", status_server, silent_url])
         errors = {url: r.health_error for url, r in gw.gateway.fleet.replicas.items()}
     finally:
         silent.close()
-    assert "404" in errors[replica.url + "/v1"] and "wrong path" in errors[replica.url + "/v1"]
+    assert "404" in errors[replica.url + "/api"] and "wrong path" in errors[replica.url + "/api"]
     assert "503" in errors[status_server] and "server error" in errors[status_server]
     assert "timeout" in errors[silent_url]
     logged = "\n".join(messages(caplog))

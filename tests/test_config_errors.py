@@ -1,0 +1,145 @@
+"""Configuration: every problem reported at once (with a did-you-mean for a misspelt flag or
+key), --auth's missing settings together, and nested YAML sections beside the flat keys,
+flags and PREFIX_ROUTER_* names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router import cli
+from router.config import SECTIONS, Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DEAD = "http://127.0.0.1:9"
+
+
+def from_yaml(tmp_path: Path, data: object, env: dict[str, str] | None = None) -> Config:
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(argparse.Namespace(config=str(path)), env=env or {})
+
+
+def serve_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    try:
+        status = cli.main(["serve", *argv])
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 2
+    out, err = capsys.readouterr()
+    assert status == 2 and "Traceback" not in err, err
+    assert "starting" not in out  # refused before anything starts
+    return err.strip().splitlines()
+
+
+def test_every_problem_at_once() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None,
+            env={"PREFIX_ROUTER_PORT": "nope", "PREFIX_ROUTER_LOAD_BOUND": "0.5"},
+            replicas=["10.0.0.1:8000"],
+            block_size=0,
+            redis_url="http://127.0.0.1:6379",
+            policy="fastest",
+        )
+    text = "\n".join(e.value.problems)
+    assert len(e.value.problems) == 6, text
+    for words in ("PORT", "load_bound", "http://", "block_size", "redis://", "fastest"):
+        assert words in text, words
+
+
+def test_the_command_lists_them_one_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("blok_size: 16\nfleet:\n  prefx: x\nmax_retries: many\n")
+    lines = serve_errors(["--replica", DEAD + "/v1", "--config", str(cfg)], capsys)
+    assert lines[0] == "prefix-router serve: 4 problems, all of them listed:", lines
+    body = "\n".join(lines[1:])
+    assert len(lines) == 5 and all(x.startswith("  - ") for x in lines[1:]), lines
+    assert "unknown key 'blok_size' (did you mean 'block_size'?)" in body
+    assert "unknown key 'prefx' in section 'fleet' (did you mean 'prefix'?)" in body
+    assert "max_retries must be int, got 'many'" in body
+    assert f"ends in /v1: give vLLM's base URL ({DEAD})" in body
+
+
+def test_a_misspelt_flag_gets_a_did_you_mean(capsys: pytest.CaptureFixture[str]) -> None:
+    (line,) = serve_errors(["--replica", DEAD, "--blok-size", "16"], capsys)
+    assert "--blok-size: did you mean --block-size?" in line
+
+
+def test_auth_reports_every_missing_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = serve_errors(["--replica", DEAD, "--auth"], capsys)
+    assert lines[0].endswith("2 problems, all of them listed:"), lines
+    assert "server secret" in lines[1] and "salt_secret" in lines[1]
+    assert "no API keys" in lines[2] and "PREFIX_ROUTER_API_KEYS" in lines[2]
+
+
+def test_redis_url_with_the_wrong_scheme_is_one_line() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PREFIX_ROUTER_DEBUG", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--replica", DEAD]
+        + ["--redis-url", "http://127.0.0.1:6379", "--tokenizer", "Qwen/Qwen3-0.6B"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "redis_url must start with redis://" in lines[0], lines
+    assert "Unclosed" not in done.stderr and "ValueError" not in done.stderr
+
+
+def test_nested_sections_set_what_the_flat_keys_set(tmp_path: Path) -> None:
+    flat = {
+        "redis_url": "redis://127.0.0.1:6379/0",
+        "redis_prefix": "pr",
+        "kv_events": True,
+        "kv_events_port": 5999,
+        "auth": True,
+        "salt_secret": "s" * 32,
+        "tenants": {"a": {"keys": ["k" * 24]}},
+        "max_body_bytes": 1024,
+        "max_inflight_body_bytes": 4096,
+        "block_size": 32,
+        "host": "0.0.0.0",
+    }
+    nested = {
+        "fleet": {"url": "redis://127.0.0.1:6379/0", "redis_prefix": "pr"},
+        "kv_events": {"enabled": True, "port": 5999},
+        "auth": {"enabled": True, "salt_secret": "s" * 32, "tenants": {"a": {"keys": ["k" * 24]}}},
+        "limits": {"max_body_bytes": 1024, "max_inflight_body_bytes": 4096},
+        "routing": {"block_size": 32},
+        "server": {"host": "0.0.0.0"},
+    }
+    assert from_yaml(tmp_path, nested) == from_yaml(tmp_path, flat)
+    # The environment and flags still win over a section.
+    env = {"PREFIX_ROUTER_KV_EVENTS_PORT": "6000"}
+    assert from_yaml(tmp_path, nested, env).kv_events_port == 6000
+
+
+def test_a_setting_given_twice_in_the_file_is_a_problem(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"redis_url is set twice \((fleet.url and redis_url|redis_url and fleet.url)\)",
+    ):
+        from_yaml(tmp_path, {"redis_url": "redis://a/0", "fleet": {"url": "redis://b/0"}})
+
+
+def test_sections_name_real_fields_once() -> None:
+    names = {f.name for f in dataclasses.fields(Config)}
+    seen: list[str] = []
+    for section in SECTIONS.values():
+        seen += section.fields
+        assert set(section.fields) <= names
+        assert section.enabled is None or section.enabled in names
+    assert len(seen) == len(set(seen))
+    assert not set(SECTIONS) & (names - {"auth", "kv_events"})  # only switches share a name
