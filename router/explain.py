@@ -21,7 +21,7 @@ from router.config import ConfigError
 from router.errors import APIError, bad_request
 from router.gateway import Gateway
 from router.handlers import Handlers, admin_key_ok
-from router.offline import offline_gateway
+from router.offline import check_flags, model_of, offline_gateway, read_lines
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
 from router.usage import HelpFormatter, OneLineParser
@@ -198,7 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="-",
         help="JSON-lines file of request bodies (default: standard input)",
     )
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory or cached model id")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer directory or model id (default: the model the first body names, as "
+        "serve finds it: a bundled tokenizer, else the local Hugging Face cache)",
+    )
     p.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV block (vLLM --block-size)"
     )
@@ -209,16 +213,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     try:
-        gateway = offline_gateway(a.tokenizer, a.block_size, a.config)
+        check_flags(a.tokenizer, a.block_size, a.config)
+        model, lines = (
+            model_of(read_lines(a.file)) if not a.tokenizer else (None, read_lines(a.file))
+        )
+        gateway = offline_gateway(a.tokenizer, a.block_size, a.config, model)
     except ConfigError as e:
         print(f"prefix-router explain: {e}", file=sys.stderr)
         return 2
+    print(f"prefix-router explain: tokenizer {gateway.tokenizer_source}", file=sys.stderr)
     headers = {"Authorization": f"Bearer {a.tenant_key}"} if a.tenant_key else {}
     try:
-        stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
-    except OSError as e:
-        print(f"prefix-router explain: cannot read {a.file}: {e.strerror}", file=sys.stderr)
+        failures = asyncio.run(_explain_lines(gateway, lines, headers, a.all_hashes))
+    except ConfigError as e:  # the file could not be read to its end
+        print(f"prefix-router explain: {e}", file=sys.stderr)
         return 2
-    with stream:
-        failures = asyncio.run(_explain_lines(gateway, stream, headers, a.all_hashes))
     return 1 if failures else 0

@@ -16,7 +16,7 @@ from router.diagnose.render import render_text
 from router.diagnose.window import analyze
 from router.errors import APIError
 from router.explain import endpoint_of
-from router.offline import offline_gateway
+from router.offline import check_flags, model_of, offline_gateway, read_lines
 from router.usage import HelpFormatter, OneLineParser
 
 
@@ -41,7 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Tokenized exactly as the live gateway does (Gateway.prepare).",
     )
     p.add_argument("file", help="JSON-lines file of request bodies ('-': standard input)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory or cached model id")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer directory or model id (default: the model the first body names, as "
+        "serve finds it: a bundled tokenizer, else the local Hugging Face cache)",
+    )
     p.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV block (vLLM --block-size)"
     )
@@ -52,52 +56,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     try:
-        gateway = offline_gateway(a.tokenizer, a.block_size, a.config)
+        check_flags(a.tokenizer, a.block_size, a.config)
+        model, stream = (
+            model_of(read_lines(a.file)) if not a.tokenizer else (None, read_lines(a.file))
+        )
+        gateway = offline_gateway(a.tokenizer, a.block_size, a.config, model)
     except ConfigError as e:
         print(f"prefix-router diagnose: {e}", file=sys.stderr)
         return 2
-    try:
-        stream = sys.stdin if a.file == "-" else open(a.file, encoding="utf-8")  # noqa: SIM115
-    except OSError as e:
-        print(f"prefix-router diagnose: cannot read {a.file}: {e.strerror}", file=sys.stderr)
-        return 2
+    print(f"prefix-router diagnose: tokenizer {gateway.tokenizer_source}", file=sys.stderr)
 
     samples: list[Sample] = []
     skipped: list[str] = []
 
     async def run() -> None:
-        with stream:
-            for n, line in enumerate(stream, 1):
-                if not line.strip():
-                    continue
-                try:
-                    body = json.loads(line)
-                    endpoint = endpoint_of(body)
-                    rr = await gateway.prepare(
-                        line.encode(), {}, endpoint, f"line-{n}-{uuid.uuid4().hex[:6]}"
-                    )
-                except ValueError as e:
-                    skipped.append(f"line {n}: not JSON: {e}")
-                    continue
-                except APIError as e:
-                    skipped.append(f"line {n}: {e.message}")
-                    continue
-                samples.append(
-                    Sample(
-                        token_ids=rr.token_ids,
-                        block_size=rr.block_size,
-                        model=rr.model,
-                        tenant="all",
-                        app=_field(body, a.group_by) if a.group_by else None,
-                        block_hashes=rr.block_hashes,
-                        cache_salt=rr.cache_salt,
-                        lora=rr.lora,
-                        max_tokens=rr.max_tokens,
-                        tools=tool_names(body) if endpoint == "chat" else None,
-                    )
+        for n, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                body = json.loads(line)
+                endpoint = endpoint_of(body)
+                rr = await gateway.prepare(
+                    line.encode(), {}, endpoint, f"line-{n}-{uuid.uuid4().hex[:6]}"
                 )
+            except ValueError as e:
+                skipped.append(f"line {n}: not JSON: {e}")
+                continue
+            except APIError as e:
+                skipped.append(f"line {n}: {e.message}")
+                continue
+            samples.append(
+                Sample(
+                    token_ids=rr.token_ids,
+                    block_size=rr.block_size,
+                    model=rr.model,
+                    tenant="all",
+                    app=_field(body, a.group_by) if a.group_by else None,
+                    block_hashes=rr.block_hashes,
+                    cache_salt=rr.cache_salt,
+                    lora=rr.lora,
+                    max_tokens=rr.max_tokens,
+                    tools=tool_names(body) if endpoint == "chat" else None,
+                )
+            )
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ConfigError as e:  # the file could not be read to its end
+        print(f"prefix-router diagnose: {e}", file=sys.stderr)
+        return 2
     gateway.executor.shutdown(wait=False)
     renderer = gateway.renderer
     rep = analyze(
