@@ -66,7 +66,14 @@ class Apis:
         max_tokens = gen._max_tokens(chat.get("max_tokens"), len(ids))
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         seq = gen._make_seq(
-            rid, ids, hashes, max_tokens, lora, salt, {"endpoint": kind, "model": model}
+            rid,
+            ids,
+            hashes,
+            max_tokens,
+            lora,
+            salt,
+            {"endpoint": kind, "model": model},
+            limited=chat.get("max_tokens") is not None,
         )
         engine = self.r.engine
         engine.submit([seq])
@@ -200,21 +207,30 @@ class Apis:
             "total_tokens": p + c,
         }
         msg_id = f"msg_{uuid.uuid4().hex}"
-        part = {"type": "output_text", "text": text, "annotations": []}
+        # The shapes and order of vLLM 0.34's simple (non-harmony) stream:
+        # responses/streaming_events.py emit_simple_content_open / _delta / _done, framed by
+        # serving.py responses_stream_generator (created, in_progress ... completed, or
+        # incomplete when the token limit cut the answer).
+        status = "incomplete" if seq.finish_reason == "length" else "completed"
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
         message = {
             "id": msg_id,
             "type": "message",
             "role": "assistant",
-            "status": "completed",
-            "content": [part],
+            "status": status,
+            "content": [part] if text else [],
         }
-        status = "incomplete" if seq.finish_reason == "length" else "completed"
         full = {
             "id": resp_id,
             "object": "response",
             "created_at": int(time.time()),
             "model": model,
             "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
             "output": [message],
             "parallel_tool_calls": True,
             "tool_choice": "auto",
@@ -224,81 +240,42 @@ class Apis:
         }
         if not body.get("stream"):
             return json_response(full)
-        created = {**full, "status": "in_progress", "output": [], "usage": None}
+        created = {
+            **full,
+            "status": "in_progress",
+            "incomplete_details": None,
+            "output": [],
+            "usage": None,
+        }
         seqno = iter(range(1_000_000))
+
+        def event(kind: str, **fields: Any) -> str:
+            return _sse(kind, {"type": kind, "sequence_number": next(seqno), **fields})
+
+        at = {"output_index": 0, "item_id": msg_id, "content_index": 0}
         events = [
-            _sse(
-                "response.created",
-                {"type": "response.created", "sequence_number": next(seqno), "response": created},
+            event("response.created", response=created),
+            event("response.in_progress", response=created),
+            event(
+                "response.output_item.added",
+                output_index=0,
+                item={**message, "status": "in_progress", "content": []},
             ),
-            _sse(
-                "response.in_progress",
-                {
-                    "type": "response.in_progress",
-                    "sequence_number": next(seqno),
-                    "response": created,
-                },
+            event(
+                "response.content_part.added",
+                **at,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
             ),
         ]
-        empty = {**message, "status": "in_progress", "content": []}
-        events.append(
-            _sse(
-                "response.output_item.added",
-                {
-                    "type": "response.output_item.added",
-                    "sequence_number": next(seqno),
-                    "output_index": 0,
-                    "item": empty,
-                },
-            )
-        )
         words = self.r.words.text
         for t in seq.output_ids:
-            events.append(
-                _sse(
-                    "response.output_text.delta",
-                    {
-                        "type": "response.output_text.delta",
-                        "sequence_number": next(seqno),
-                        "item_id": msg_id,
-                        "output_index": 0,
-                        "content_index": 0,
-                        "delta": words[t],
-                        "logprobs": [],
-                    },
-                )
-            )
-        events.append(
-            _sse(
-                "response.output_text.done",
-                {
-                    "type": "response.output_text.done",
-                    "sequence_number": next(seqno),
-                    "item_id": msg_id,
-                    "output_index": 0,
-                    "content_index": 0,
-                    "text": text,
-                    "logprobs": [],
-                },
-            )
-        )
-        events.append(
-            _sse(
-                "response.output_item.done",
-                {
-                    "type": "response.output_item.done",
-                    "sequence_number": next(seqno),
-                    "output_index": 0,
-                    "item": message,
-                },
-            )
-        )
-        events.append(
-            _sse(
-                "response.completed",
-                {"type": "response.completed", "sequence_number": next(seqno), "response": full},
-            )
-        )
+            events.append(event("response.output_text.delta", **at, delta=words[t], logprobs=[]))
+        events += [
+            event("response.output_text.done", **at, text=text, logprobs=[]),
+            event("response.content_part.done", **at, part=part),
+            event("response.output_item.done", output_index=0, item=message),
+            event(f"response.{status}", response=full),
+        ]
         return await self._stream(request, events)
 
     async def _stream(self, request: web.Request, events: list[str]) -> web.StreamResponse:

@@ -137,6 +137,12 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         "(--no-always-report-cached-tokens: null on a miss, as older releases)",
     )
     p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="as vLLM's flag: every stream carries usage (on each chunk and in a final usage "
+        "chunk) whether or not the request set stream_options.include_usage",
+    )
+    p.add_argument(
         "--instant", action="store_true", help="no simulated time at all: answer immediately"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tokens")
@@ -182,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         lora_adapters=list(args.lora),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         always_report_cached_tokens=args.always_report_cached_tokens,
+        enable_force_include_usage=args.enable_force_include_usage,
         instant=args.instant,
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,

@@ -33,6 +33,9 @@ class SimConfig:
     # miss); True reports {"cached_tokens": 0} on a miss too.
     # vLLM 0.34 reports {cached_tokens: 0} on a miss; older releases sent null there.
     always_report_cached_tokens: bool = True
+    # vLLM's --enable-force-include-usage: every stream ends with a usage chunk (and carries
+    # usage on every chunk) whether or not the request asked with stream_options.
+    enable_force_include_usage: bool = False
     instant: bool = False  # all timing zero (overhead benchmarks)
     seed: int = 0
     # vLLM's --kv-events-config: publish KV cache events (ZMQ PUB, bound here; None = off),

@@ -74,6 +74,7 @@ class Seq:
         "admitted",
         "done",
         "finish_reason",
+        "end_reason",
     )
 
     def __init__(
@@ -86,6 +87,7 @@ class Seq:
         lora: str | None = None,
         cache_salt: str | None = None,
         meta: dict[str, Any] | None = None,
+        end_reason: str = "length",
     ) -> None:
         if not prompt_ids or not output_ids:
             raise ValueError("a sequence needs at least one prompt and one output token")
@@ -97,6 +99,9 @@ class Seq:
         self.lora = lora
         self.cache_salt = cache_salt
         self.meta = meta or {}
+        # Why it ends once every output token is out: "length" (the request's token limit),
+        # or "stop" (no limit given: the simulated model ends its answer, as at an EOS token).
+        self.end_reason = end_reason
         self.state = WAITING
         self.blocks: list[Block] = []
         self.reserved = 0
@@ -445,7 +450,7 @@ class Engine:
     def _finish(self, s: Seq, t: float) -> None:
         self._release(s)
         s.state = FINISHED
-        s.finish_reason = "length"
+        s.finish_reason = s.end_reason
         s.num_emitted = s.max_tokens
         st = self.stats
         st["finished"] += 1

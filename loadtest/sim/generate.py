@@ -19,6 +19,7 @@ from loadtest.sim.protocol import (
     OFFLOAD_TOKENS,
     cache_salt,
     completion_prompts,
+    continuous_usage,
     json_response,
     make_usage,
     offload,
@@ -79,10 +80,16 @@ class Generation:
         lora: str | None,
         salt: str | None,
         meta: dict[str, Any],
+        limited: bool = True,
     ) -> Seq:
+        """``limited``: the request set a token limit (the answer stops at it: "length");
+        without one the simulated answer ends on its own after ``max_tokens`` ("stop")."""
         words = self.r.words
         out = words.sample(self.r.config.seed, ids, max_tokens)
-        return Seq(request_id, ids, out, hashes, lora=lora, cache_salt=salt, meta=meta)
+        end = "length" if limited else "stop"
+        return Seq(
+            request_id, ids, out, hashes, lora=lora, cache_salt=salt, meta=meta, end_reason=end
+        )
 
     def _text(self, ids: Sequence[int]) -> str:
         words = self.r.words
@@ -98,7 +105,9 @@ class Generation:
         body, size = await read_json(request)
         model, lora = self.r.resolve_model(body)
         salt = cache_salt(body)
-        stream, include_usage = stream_options(body)
+        force = self.r.config.enable_force_include_usage
+        stream, include_usage = stream_options(body, force)
+        continuous = continuous_usage(body, force)
         mct = opt_int(body, "max_completion_tokens", 1)
         mt = opt_int(body, "max_tokens", 1)
         opt_int(body, "n", 1)
@@ -113,9 +122,18 @@ class Generation:
         base = self._request_id(request)
         rid = f"chatcmpl-{base}"
         seq = self._make_seq(
-            rid, ids, hashes, max_tokens, lora, salt, {"endpoint": "chat", "model": model}
+            rid,
+            ids,
+            hashes,
+            max_tokens,
+            lora,
+            salt,
+            {"endpoint": "chat", "model": model},
+            limited=(mct or mt) is not None,
         )
-        return await self._generate(request, "chat", rid, base, model, [seq], stream, include_usage)
+        return await self._generate(
+            request, "chat", rid, base, model, [seq], stream, include_usage, continuous
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.r.faults.check()
@@ -123,7 +141,9 @@ class Generation:
         body, size = await read_json(request)
         model, lora = self.r.resolve_model(body)
         salt = cache_salt(body)
-        stream, include_usage = stream_options(body)
+        force = self.r.config.enable_force_include_usage
+        stream, include_usage = stream_options(body, force)
+        continuous = continuous_usage(body, force)
         mt = opt_int(body, "max_tokens", 1)
         opt_int(body, "n", 1)
         bs = self.r.config.block_size
@@ -157,11 +177,18 @@ class Generation:
             sid = rid if len(prepared) == 1 else f"{rid}-{i}"
             seqs.append(
                 self._make_seq(
-                    sid, ids, hashes, m, lora, salt, {"endpoint": "completions", "model": model}
+                    sid,
+                    ids,
+                    hashes,
+                    m,
+                    lora,
+                    salt,
+                    {"endpoint": "completions", "model": model},
+                    limited=mt is not None,
                 )
             )
         return await self._generate(
-            request, "completions", rid, base, model, seqs, stream, include_usage
+            request, "completions", rid, base, model, seqs, stream, include_usage, continuous
         )
 
     async def _generate(
@@ -174,6 +201,7 @@ class Generation:
         seqs: list[Seq],
         stream: bool,
         include_usage: bool,
+        continuous: bool = False,
     ) -> web.StreamResponse:
         headers = {"X-Request-Id": base_id}
         engine = self.r.engine
@@ -192,6 +220,7 @@ class Generation:
                     text=self.r.words.text,
                     details=self.r.config.enable_prompt_tokens_details,
                     zero=self.r.config.always_report_cached_tokens,
+                    continuous=continuous,
                 )
             for s in seqs:
                 assert s.done is not None

@@ -76,7 +76,10 @@ def opt_bool(body: dict[str, Any], key: str) -> bool | None:
     raise bad_request(f"{key} must be a boolean", key)
 
 
-def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+def stream_options(body: dict[str, Any], force_include_usage: bool = False) -> tuple[bool, bool]:
+    """(stream, include_usage); vLLM's --enable-force-include-usage (``force_include_usage``)
+    includes it on every stream, as does ``stream_options.include_usage``. (Usage on every
+    chunk, vLLM's continuous_usage_stats, comes with the forced flag: ``continuous_usage``.)"""
     stream = bool(opt_bool(body, "stream"))
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -85,8 +88,21 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
         raise bad_request(
             "Stream options can only be defined when `stream=True`.", "stream_options"
         )
-    include_usage = bool(opts and opt_bool(opts, "include_usage"))
+    include_usage = force_include_usage or bool(opts and opt_bool(opts, "include_usage"))
     return stream, include_usage
+
+
+def continuous_usage(body: dict[str, Any], force_include_usage: bool = False) -> bool:
+    """Usage on every chunk (vLLM's should_include_usage: forced, or include_usage and
+    continuous_usage_stats)."""
+    if force_include_usage:
+        return True
+    opts = body.get("stream_options")
+    return bool(
+        isinstance(opts, dict)
+        and opt_bool(opts, "include_usage")
+        and opt_bool(opts, "continuous_usage_stats")
+    )
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:

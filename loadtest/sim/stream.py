@@ -1,5 +1,12 @@
 """Server-sent events for a streaming request: each token is written when it falls due in
-virtual time (``Seq.tokens_due``), one SSE event per token, as vLLM streams them."""
+virtual time (``Seq.tokens_due``), one SSE event per token, as vLLM streams them.
+
+Chat chunks are vLLM 0.34's byte for byte in their fields and order (chat_completion/serving.py,
+``chat_completion_stream_generator``, serialized with ``exclude_unset``): a role chunk with
+``prompt_token_ids``/``prompt_text`` null, then one chunk per token with ``token_ids`` and
+``kv_transfer_params`` null, the last with ``finish_reason``, ``stop_reason`` and
+``weight_versions``; usage on every chunk with continuous usage (forced include-usage), and a
+final ``choices: []`` usage chunk (``exclude_none``) when usage is included."""
 
 from __future__ import annotations
 
@@ -28,6 +35,26 @@ async def open_sse(
     )
     await resp.prepare(request)
     return resp
+
+
+def _usage(prompt: int, completion: int, prompt_details: str = "") -> str:
+    """``,"usage":{...}`` of a chunk with continuous usage (vLLM's UsageInfo, set fields only:
+    prompt_tokens_details on the role chunk, completion_tokens_details null)."""
+    return (
+        f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+        f'"completion_tokens":{completion},{prompt_details}"completion_tokens_details":null}}'
+    )
+
+
+def _cached_details(s: Seq, details: bool, zero: bool) -> str:
+    """The role chunk's ``prompt_tokens_details`` (omitted when vLLM's would be None)."""
+    cached = s.num_cached_tokens
+    if not details or not (cached or zero):
+        return ""
+    return (
+        f'"prompt_tokens_details":{{"cached_tokens":{cached},"created_cache_tokens":null,'
+        '"multimodal_tokens":null},'
+    )
 
 
 class Streamer:
@@ -59,10 +86,12 @@ class Streamer:
         text: dict[int, str],
         details: bool,
         zero: bool,
+        continuous: bool = False,
     ) -> web.StreamResponse:
         """Stream ``seqs`` (already submitted to ``engine``) as ``kind`` ("chat" or
         "completions") chunks; ``text`` maps token ids to their text; ``details`` / ``zero``
-        shape ``usage`` as in :func:`loadtest.sim.protocol.make_usage`."""
+        shape ``usage`` as in :func:`loadtest.sim.protocol.make_usage`; ``continuous``: usage
+        on every chunk."""
         resp = await open_sse(request, headers)
         created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -95,29 +124,39 @@ class Streamer:
                         remaining = True
                         continue
                     due = s.tokens_due(now, dt)
+                    p = s.num_prompt_tokens
                     for k in range(emitted[i], due):
                         piece = dumps(text[s.output_ids[k]])
+                        usage = _usage(p, k + 1) if continuous else ""
                         if kind == "chat":
                             if k == 0:
+                                first = (
+                                    _usage(p, 0, _cached_details(s, details, zero))
+                                    if continuous
+                                    else ""
+                                )
                                 parts.append(
                                     f'{head}{i},"delta":{{"role":"assistant",'
                                     f'"content":""}},"logprobs":null,'
-                                    f'"finish_reason":null}}]}}\n\n'
+                                    f'"finish_reason":null}}]{first},'
+                                    f'"prompt_token_ids":null,"prompt_text":null}}\n\n'
                                 )
                             tail = (
-                                '"finish_reason":"length","stop_reason":null'
+                                f'"finish_reason":"{s.end_reason}","stop_reason":null,'
+                                '"token_ids":null,"weight_versions":null'
                                 if k == m - 1
-                                else '"finish_reason":null'
+                                else '"finish_reason":null,"token_ids":null'
                             )
                             parts.append(
                                 f'{head}{i},"delta":{{"content":{piece}}},'
-                                f'"logprobs":null,{tail}}}]}}\n\n'
+                                f'"logprobs":null,{tail}}}]{usage},'
+                                f'"kv_transfer_params":null}}\n\n'
                             )
                         else:
-                            fin = '"length"' if k == m - 1 else "null"
+                            fin = f'"{s.end_reason}"' if k == m - 1 else "null"
                             parts.append(
                                 f'{head}{i},"text":{piece},"logprobs":null,'
-                                f'"finish_reason":{fin},"stop_reason":null}}]}}\n\n'
+                                f'"finish_reason":{fin},"stop_reason":null}}]{usage}}}\n\n'
                             )
                     emitted[i] = due
                     if due < m:
