@@ -375,9 +375,14 @@ class Tenancy:
             return DEFAULT_TENANT
         auth = headers.get("Authorization", "")
         scheme, _, key = auth.partition(" ")
+        if not auth and "x-api-key" in headers:  # Anthropic's header (its SDK sends it)
+            scheme, key = "bearer", headers["x-api-key"]
         if scheme.lower() != "bearer" or not key.strip():
             raise APIError(
-                401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key"
+                401,
+                "missing API key: send Authorization: Bearer <key> (or x-api-key: <key>, as "
+                "Anthropic clients do)",
+                code="invalid_api_key",
             )
         # Only SHA-256 digests are stored, and the presented key is looked up by its digest.
         # The lookup's timing can at most depend on the digest, never on the key's bytes, so

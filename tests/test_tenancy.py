@@ -460,3 +460,25 @@ async def test_no_key_or_secret_in_logs_or_metrics(tmp_path, fleet, gateway, cap
         assert f'prefix_router_tenant_requests_total{{tenant="{tenant}"}}' in metrics
         assert f'prefix_router_reported_cached_tokens_total{{tenant="{tenant}"}}' in metrics
         assert f'prefix_router_predicted_cached_tokens_total{{tenant="{tenant}"}}' in metrics
+
+
+async def test_anthropic_clients_authenticate_with_x_api_key(tmp_path, fleet, gateway):
+    """The Anthropic SDK sends its key as x-api-key: with auth on it names the tenant (and
+    is not forwarded); a wrong one is a 401 in Anthropic's shape."""
+    import anthropic
+
+    gw, replica, _ = await tenant_gateway(tmp_path, fleet, gateway)
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEYS["acme"], max_retries=0)
+    msg = await client.messages.create(
+        model="Qwen/Qwen3-0.6B", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert msg.content[0].text
+    assert replica.stats["records"][-1]["cache_salt"]  # salted as tenant acme
+    wrong = anthropic.AsyncAnthropic(base_url=gw.url, api_key=WRONG_KEY, max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        await wrong.messages.create(
+            model="Qwen/Qwen3-0.6B", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert e.value.body["type"] == "error" and WRONG_KEY not in json.dumps(e.value.body)
+    await client.close()
+    await wrong.close()
