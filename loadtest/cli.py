@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shlex
 import sys
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timezone
@@ -560,7 +561,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    out = write_report(results, _out_dir(args, args.command), title=args.title)
+    out = write_report(
+        results,
+        _out_dir(args, args.command),
+        title=args.title,
+        command=shlex.join(["prefix-router", "loadtest", *argv]),
+    )
     failures = failure_line(results)  # 4xx, 5xx, broken or lost: the run is not a result
     if failures:
         print(failures, file=sys.stderr, flush=True)

@@ -83,13 +83,16 @@ async def _run(a: argparse.Namespace) -> int:
                 running.append(gw)
                 await procs.wait_ready(gw.url, proc=gw)
                 target = GatewayTarget(gw.url, replicas.urls, name=name)
+            wl = workload()
+            planned = wl.planned_requests
             progress(
-                f"[{policy}] sending up to {a.max_requests} requests "
-                f"({a.conversations} conversations, at most {a.max_seconds:g}s) ..."
+                f"[{policy}] sending {min(planned, a.max_requests)} requests: the "
+                f"{a.conversations} conversations' {planned} turns, capped at "
+                f"{a.max_requests} requests and {a.max_seconds:g}s ..."
             )
             result = await run_workload(
                 target,
-                workload(),
+                wl,
                 concurrency=a.concurrency,
                 max_requests=a.max_requests,
                 max_seconds=a.max_seconds,
@@ -102,8 +105,8 @@ async def _run(a: argparse.Namespace) -> int:
         attach_ideal(result, renderer)
         results.append((name, result))
         progress(
-            f"[{policy}] done: {result.ok} answered, {result.lost} lost, "
-            f"{time.monotonic() - started:.0f}s"
+            f"[{policy}] done: {result.sent} sent, {result.ok} answered, {result.lost} lost, "
+            f"{time.monotonic() - started:.0f}s; sending stopped: {result.stop_description()}"
         )
 
     print(

@@ -120,6 +120,32 @@ async def scrape(
         return ReplicaMetrics(url, ok=False, error=f"{type(e).__name__}: {e}")
 
 
+async def gateway_counters(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float = 5.0
+) -> dict[str, float] | None:
+    """A gateway's placement counters: ``decisions:<reason>`` and ``spills:<cause>`` summed
+    over policies (None when its /metrics cannot be read, e.g. auth on without the key)."""
+    try:
+        async with session.get(
+            metrics_url(url), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+    out: dict[str, float] = {}
+    page = parse_prometheus(text)
+    for metric, label, kind in (
+        ("prefix_router_decisions_total", "reason", "decisions"),
+        ("prefix_router_spills_total", "cause", "spills"),
+    ):
+        for labels, value in page.get(metric, []):
+            key = f"{kind}:{labels.get(label, '')}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 async def scrape_all(
     urls: list[str],
     session: aiohttp.ClientSession | None = None,

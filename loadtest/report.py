@@ -14,8 +14,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import platform
+import shlex
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -100,21 +105,108 @@ def replica_table(r: RunResult) -> str:
     return "\n".join(lines)
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that is running, as it could be typed again (the program by its name)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        argv[0] = Path(argv[0]).name
+        if argv[0] in ("__main__.py", "-c"):
+            argv[0] = "python -m loadtest"
+    return shlex.join(argv)
+
+
+def version_line() -> str:
+    """prefix-router's version, the checkout's commit when it is one, and Python's."""
+    from router import __version__
+
+    commit = ""
+    root = Path(__file__).resolve().parent.parent
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if done.returncode == 0 and done.stdout.strip():
+            dirty = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            commit = f" (commit {done.stdout.strip()}{', modified' if dirty else ''})"
+    return f"prefix-router {__version__}{commit}, Python {platform.python_version()}"
+
+
+def placement_lines(r: RunResult) -> list[str]:
+    """Where each prefix group went: its replica set, and (through a gateway) the decisions
+    and spills behind it. What explains a replica far above the mean load."""
+    sets = r.replica_sets()
+    if not sets:
+        return []
+    total = sum(sum(c.values()) for c in sets.values())
+    sizes = Counter(len(c) for c in sets.values())
+    out = [
+        f"Replica sets: {len(sets)} prefix groups; "
+        + ", ".join(
+            f"{n} served by {k} replica{'s' if k > 1 else ''}" for k, n in sorted(sizes.items())
+        )
+        + "."
+    ]
+    if r.gateway_counters:
+        decisions = {
+            k.split(":", 1)[1]: v
+            for k, v in r.gateway_counters.items()
+            if k.startswith("decisions:")
+        }
+        spills = {
+            k.split(":", 1)[1]: v for k, v in r.gateway_counters.items() if k.startswith("spills:")
+        }
+        if decisions:
+            out.append(
+                "Gateway decisions by reason: "
+                + ", ".join(f"{k or '-'} {v:.0f}" for k, v in sorted(decisions.items()) if v)
+                + "."
+            )
+        out.append(
+            "Spills (placed away from the longest prefix holder): "
+            + (", ".join(f"{k} {v:.0f}" for k, v in sorted(spills.items()) if v) or "none")
+            + "."
+        )
+    out += ["", "| group | requests | share | replicas (requests) |", "|---|---|---|---|"]
+    hottest = sorted(sets.items(), key=lambda kv: -sum(kv[1].values()))[:8]
+    for group, c in hottest:
+        n = sum(c.values())
+        served = ", ".join(f"{_short(u)} ({k})" for u, k in c.most_common())
+        out.append(f"| {group} | {n} | {n / total:.0%} | {served} |")
+    out += ["", "| replica | requests | groups | hottest group's share |", "|---|---|---|---|"]
+    per_replica: dict[str, Counter[str]] = {}
+    for group, c in sets.items():
+        for url, k in c.items():
+            per_replica.setdefault(url, Counter())[group] += k
+    for url, groups in sorted(per_replica.items()):
+        n = sum(groups.values())
+        group, top = groups.most_common(1)[0]
+        out.append(f"| {_short(url)} | {n} | {len(groups)} | {top / n:.0%} ({group}) |")
+    return out
+
+
 def render_summary(
     results: Sequence[RunResult],
     *,
     title: str | None = None,
     plots: Sequence[str] = (),
     notes: Sequence[str] = (),
+    command: str | None = None,
 ) -> str:
     first = results[0]
     workloads = list(dict.fromkeys(r.workload for r in results))
     out = [f"# Load test: {title or ', '.join(workloads)}", ""]
     out.append(
-        f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} by "
-        "`python -m loadtest`."
+        f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} by {version_line()}."
     )
-    out.append("")
+    out += ["", "```", command if command is not None else command_line(), "```", ""]
     descs = dict.fromkeys(r.workload_description for r in results)
     for d in descs:
         out.append(f"- Workload: {d}")
@@ -127,7 +219,7 @@ def render_summary(
     for r in results:
         out.append(
             f"- `{r.label}`: {r.target}; workload `{r.workload}`; "
-            f"{r.duration_s:.1f} s from {r.started_at}."
+            f"{r.duration_s:.1f} s from {r.started_at}; sent {r.sent}: {r.stop_description()}."
         )
     out.extend(f"- {n}" for n in notes)
     warns = dict.fromkeys(w for r in results for w in r.warnings)
@@ -157,6 +249,9 @@ def render_summary(
     out += ["", "## Per replica", ""]
     for r in results:
         out += [f"### {r.label}", "", replica_table(r), ""]
+        placement = placement_lines(r)
+        if placement:
+            out += placement + [""]
     errs = [r for r in results if r.errors_by_status]
     if errs:
         out += ["## Errors", ""]
@@ -327,6 +422,7 @@ def write_report(
     title: str | None = None,
     notes: Sequence[str] = (),
     plots: bool = True,
+    command: str | None = None,
 ) -> Path:
     """Write the report directory for ``results`` (one run, or several to compare)."""
     if not results:
@@ -346,6 +442,6 @@ def write_report(
             fn(results, out / name)
             made.append(name)
     (out / "summary.md").write_text(
-        render_summary(results, title=title, plots=made, notes=notes) + "\n"
+        render_summary(results, title=title, plots=made, notes=notes, command=command) + "\n"
     )
     return out

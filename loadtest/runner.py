@@ -304,8 +304,32 @@ class RunResult:
     block_size: int
     ideal: IdealResult | None = None
     warnings: list[str] = field(default_factory=list)
+    # Why sending stopped: "max_requests", "max_seconds", or "workload" (all it planned sent).
+    stop_reason: str = "workload"
+    planned_requests: int = 0
+    # A gateway target's own counters over the run: "decisions:<reason>", "spills:<cause>".
+    gateway_counters: dict[str, float] = field(default_factory=dict)
 
     # ---- derived figures
+    def stop_description(self) -> str:
+        """Why the run sent what it sent, in words (the demo and the report print it)."""
+        if self.stop_reason == "max_requests":
+            return f"reached --max-requests ({self.max_requests})"
+        if self.stop_reason == "max_seconds":
+            return (
+                f"reached the {self.max_seconds:g} s limit; {self.planned_requests - self.sent} "
+                "planned requests not sent"
+            )
+        return f"the workload ended: every one of its {self.planned_requests} requests was sent"
+
+    def replica_sets(self) -> dict[str, Counter[str]]:
+        """Each prefix group's requests by the replica that served them."""
+        out: dict[str, Counter[str]] = {}
+        for r in self.records:
+            if r.replica is not None and r.sent_s is not None:
+                out.setdefault(r.group, Counter())[r.replica] += 1
+        return out
+
     @property
     def sent(self) -> int:
         return sum(1 for r in self.records if r.sent_s is not None)
@@ -442,6 +466,12 @@ class RunResult:
             "max_requests": self.max_requests,
             "max_seconds": self.max_seconds,
             "stream": self.stream,
+            "stop_reason": self.stop_reason,
+            "planned_requests": self.planned_requests,
+            "gateway_counters": self.gateway_counters,
+            "replica_set_sizes": dict(
+                sorted(Counter(len(c) for c in self.replica_sets().values()).items())
+            ),
         }
 
 
@@ -641,8 +671,10 @@ async def run_workload(
     show = sys.stderr.isatty() if progress is None else progress
     connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=False)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    gateway_url = target.url if isinstance(target, GatewayTarget) else None
     async with aiohttp.ClientSession(connector=connector) as http:
         before = await ms.scrape_all(metrics_urls, http) if metrics_urls else []
+        gw_before = await ms.gateway_counters(http, gateway_url) if gateway_url else None
         t0 = time.perf_counter()
         state = _State(t0, t0 + max_seconds, max_requests)
         sem = asyncio.Semaphore(concurrency)
@@ -738,6 +770,13 @@ async def run_workload(
         if settle_s > 0 and metrics_urls:
             await asyncio.sleep(settle_s)
         after = await ms.scrape_all(metrics_urls, http) if metrics_urls else []
+        gw_after = await ms.gateway_counters(http, gateway_url) if gateway_url else None
+        if state.max_requests is not None and state.sent >= state.max_requests:
+            stop_reason = "max_requests"
+        elif state.stop.is_set():
+            stop_reason = "max_seconds"
+        else:
+            stop_reason = "workload"
 
     deltas = [ms.delta(b, a) for b, a in zip(before, after, strict=True)]
     for d in deltas:
@@ -766,6 +805,13 @@ async def run_workload(
         replica_deltas=deltas,
         block_size=block_size,
         warnings=warnings,
+        stop_reason=stop_reason,
+        planned_requests=planned,
+        gateway_counters=(
+            {k: v - gw_before.get(k, 0.0) for k, v in gw_after.items()}
+            if gw_before is not None and gw_after is not None
+            else {}
+        ),
     )
     if compute_ideal:
         await asyncio.to_thread(attach_ideal, result, renderer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import shlex
 import socket
 
 import aiohttp
@@ -17,6 +18,7 @@ from loadtest.metrics_scrape import scrape_all
 from loadtest.replica import SimConfig, run_replicas
 from loadtest.report import failure_line, write_report
 from loadtest.runner import REPLICA_HEADER, ClientTarget, GatewayTarget, run_workload
+from router import __version__
 
 # fast, but not instant: requests overlap and TTFT is not zero
 FAST = {
@@ -83,6 +85,10 @@ async def test_round_robin_run_writes_a_report_from_the_replicas_counters(tmp_pa
     assert {"run", "group", "replica", "ttft_s", "cached_tokens", "status"} <= rec.keys()
     summary = (out / "summary.md").read_text()
     assert "| round_robin |" in summary and "fleet hit" in summary
+    assert res.stop_reason == "workload"
+    assert f"every one of its {workload.planned_requests} requests was sent" in summary
+    # Replica sets: every group's requests by replica (round robin spreads each group).
+    assert "Replica sets: 2 prefix groups" in summary
 
 
 async def test_preamble_position_orders_the_fleet_hit_rate():
@@ -136,6 +142,8 @@ async def test_max_seconds_bounds_the_run():
         )
         assert loop.time() - t0 < 3.0
         assert 0 < res.sent < w.planned_requests and res.lost == 0
+        assert res.stop_reason == "max_seconds"
+        assert res.stop_description().startswith("reached the 0.6 s limit; ")
 
 
 def _free_port() -> int:
@@ -236,6 +244,9 @@ def test_cli_run_and_compare_with_simulated_replicas(tmp_path):
     assert cli_main(["run", *common, "--out", str(tmp_path / "run")]) == 0
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "flatters hit rates" in summary and "| round_robin |" in summary
+    # The command that made it and the version that ran it.
+    assert f"\n{shlex.join(['prefix-router', 'loadtest', 'run', *common])} --out " in summary
+    assert f"by prefix-router {__version__}" in summary and "Python 3." in summary
     assert (
         cli_main(
             [
@@ -289,3 +300,30 @@ def test_cli_run_fails_when_requests_fail(tmp_path, capsys):
         == "error: 6 of 6 requests failed: 6 x HTTP 404: The model `no-such-model` does not exist."
     )
     assert "| round_robin |" in out  # the table still follows
+
+
+async def test_report_shows_a_gateways_spills_and_replica_sets(tmp_path, fleet, gateway):
+    """Through a real gateway the report says where each prefix group went and why: its
+    replica set, the gateway's decisions by reason and its spills."""
+    replicas = await fleet(3, **FAST)
+    urls = [r.url for r in replicas]
+    gw = await gateway(urls, policy="ring_spill")
+    res = await run_workload(
+        GatewayTarget(gw.url, urls, policy="ring_spill"),
+        small_multi_tenant(2),
+        concurrency=4,
+        progress=False,
+        max_seconds=30,
+        compute_ideal=False,
+    )
+    assert res.lost == 0 and res.ok == res.sent > 0
+    decisions = {k: v for k, v in res.gateway_counters.items() if k.startswith("decisions:")}
+    assert sum(decisions.values()) == res.sent  # one decision per request of this run
+    sets = res.replica_sets()
+    assert sum(sum(c.values()) for c in sets.values()) == res.sent
+    summary = (write_report([res], tmp_path / "rep", plots=False) / "summary.md").read_text()
+    assert f"Replica sets: {len(sets)} prefix groups" in summary
+    assert "Gateway decisions by reason: " in summary and "Spills (placed away" in summary
+    assert "| replica | requests | groups | hottest group's share |" in summary
+    data = json.loads((tmp_path / "rep" / "summary.json").read_text())["runs"][0]
+    assert sum(data["replica_set_sizes"].values()) == len(sets)
