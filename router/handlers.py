@@ -15,7 +15,6 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import startup
@@ -395,6 +394,6 @@ class Handlers:
             self.gw.metrics.redis_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
         return web.Response(
-            body=generate_latest(self.gw.metrics.registry),
+            body=self.gw.metrics.exposition(),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )

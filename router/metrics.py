@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import platform
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+
+from router import __version__
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from prometheus_client.metrics_core import Metric
+
     from router.schedule import Decision
 
 _LATENCY_BUCKETS = (
@@ -33,6 +40,13 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        build = Gauge(
+            "prefix_router_build_info",
+            "Always 1; the labels say which prefix-router and Python this gateway runs",
+            ["version", "python"],
+            registry=r,
+        )
+        build.labels(__version__, platform.python_version()).set(1)
         # (metric, label values) -> child: prometheus_client's labels() validates and locks
         # on every call (~1.2 us, several per request); children are never removed here.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -204,6 +218,12 @@ class Metrics:
             self.child(self.spills, d.policy, d.cause).inc()
             self.child(self.spill_evictions, d.policy).inc(d.copied_blocks)
 
+    def exposition(self) -> bytes:
+        """The /metrics page, without the ``*_created`` series (one per counter and histogram
+        child, which nobody graphs). prometheus_client's ``disable_created_metrics`` would do
+        it for the whole process, simulated replicas included; this leaves them alone."""
+        return generate_latest(_WithoutCreated(self.registry))
+
     def child(self, metric: M, *values: str) -> M:
         """``metric.labels(*values)``, memoised: the hot path's way to a labelled series."""
         key = (id(metric), values)
@@ -223,3 +243,15 @@ class Metrics:
                 registry=self.registry,
             )
         return self._redis_up
+
+
+class _WithoutCreated:
+    """A registry's families with their ``*_created`` samples left out."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family

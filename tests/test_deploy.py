@@ -724,6 +724,16 @@ def test_dashboard_covers_the_fleet() -> None:
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
+        # failures and pressure
+        "prefix_router_replica_ejections_total",
+        "prefix_router_retries_total",
+        "prefix_router_spills_total",
+        "prefix_router_rejected_requests_total",
+        "vllm:request_queue_time_seconds_bucket",
+        "prefix_router_ideal_hit_rate",
+        "prefix_router_predicted_hit_rate",
+        "prefix_router_measured_hit_rate",
+        "prefix_router_build_info",
     ):
         assert metric in exprs, metric
     for hist in (
@@ -731,6 +741,20 @@ def test_dashboard_covers_the_fleet() -> None:
         "prefix_router_upstream_ttft_seconds_bucket",
     ):
         assert re.search(r"histogram_quantile\(0\.99, sum by \(le\) \(rate\(" + hist, exprs), hist
+
+
+def test_dashboard_redis_panels_say_fleet_mode_only() -> None:
+    """prefix_router_redis_up and the fallbacks exist only on gateways with redis_url: their
+    panels sit under a row that says so, and no other panel depends on them."""
+    row = ""
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+            continue
+        exprs = " ".join(t["expr"] for t in panel["targets"])
+        if "prefix_router_redis" in exprs:
+            assert row.startswith("Fleet mode (Redis)") and "no data" in row, panel["title"]
+            assert "fleet mode" in panel["title"].lower() or "redis" in panel["title"].lower()
 
 
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:

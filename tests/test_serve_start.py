@@ -166,3 +166,20 @@ async def test_serve_waits_for_a_replica_that_is_still_starting(caplog) -> None:
             await gw.stop()
     finally:
         await replica.stop()
+
+
+async def test_metrics_carry_build_info_and_no_created_series(fleet, gateway) -> None:  # type: ignore[no-untyped-def]
+    import platform
+
+    from router import __version__
+
+    (replica,) = await fleet(1)
+    gw = await gateway([replica.url])
+    async with aiohttp.ClientSession() as s:
+        await post(s, gw.url + "/v1/chat/completions", chat_body("hi"))
+        async with s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    build = f'prefix_router_build_info{{python="{platform.python_version()}",version="{__version__}"}} 1.0'
+    assert build in text, text[:500]
+    assert "prefix_router_requests_total{" in text
+    assert not [line for line in text.splitlines() if "_created" in line.split("{")[0]]
