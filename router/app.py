@@ -24,6 +24,7 @@ from aiohttp import web
 from router import startup
 from router.api import routes as api_routes
 from router.api.paths import wrong_base_path
+from router.budget import share_of
 from router.config import Config
 from router.errors import APIError
 from router.gateway import Gateway
@@ -180,6 +181,8 @@ def make_runner(app: web.Application, config: Config, **kwargs: Any) -> GatewayR
         max_connections=config.max_connections,
         header_timeout_s=config.header_timeout_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
+        max_connections_per_peer=share_of(config.max_connections, config.client_share),
+        unauthenticated_keepalive_s=config.unauthenticated_keepalive_s,
     )
     gateway = app.get(GATEWAY_KEY)
 

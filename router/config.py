@@ -180,6 +180,11 @@ class Config:
         "an idle keep-alive client connection is closed after this many seconds (behind a "
         "load balancer, set it above the balancer's idle timeout)",
     )
+    unauthenticated_keepalive_s: float = _opt(
+        5.0,
+        "the keep-alive of a connection that has not yet carried a request with a valid key "
+        "(with auth off: any API request); probes and keyless clients do not hold slots",
+    )
     # -- request-body limits (router/limits.py: checked before any recursive work)
     max_json_depth: int = _opt(64, "deepest JSON nesting accepted inside any field of a body")
     max_json_nodes: int = _opt(1_000_000, "most JSON values (objects, arrays, scalars) in a body")
@@ -361,6 +366,7 @@ class Config:
             "idle_timeout_s",
             "header_timeout_s",
             "keepalive_timeout_s",
+            "unauthenticated_keepalive_s",
             "max_tokenize_cpu_s",
         )
         for name in positive:

@@ -29,6 +29,7 @@ from router.limits import check_body
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
 from router.schedule import Decision
+from router.server import mark_identified
 
 log = logging.getLogger("prefix_router")
 
@@ -69,7 +70,9 @@ class Handlers:
     def identify(self, request: web.Request) -> str:
         """The request's tenant from its headers (a 401 when auth is on and fails), before a
         byte of its body is read."""
-        return self.gw.tenancy.identify(request.headers)
+        tenant = self.gw.tenancy.identify(request.headers)
+        mark_identified(request)  # its connection keeps the long keep-alive
+        return tenant
 
     def client_of(self, request: web.Request, tenant: str | None) -> str:
         """Whose share of the shared budgets a request draws on: its tenant with auth on (a

@@ -12,7 +12,13 @@ deadline for a request head (slowloris), and its own protocol errors in OpenAI's
   opens, or after the first byte of a later request arrives. One that sent part of a head
   gets a 408; one that sent nothing is closed without an answer (there is no request to
   answer, and a pooling client could read an unsolicited answer as that of its next request).
+- ``max_connections_per_peer``: one peer address (an IPv6 /64) holds at most this many of
+  them (its share, ``client_share`` of the cap); a connection beyond it is answered like one
+  beyond the cap, so one client cannot take every slot.
 - ``keepalive_timeout_s``: an idle keep-alive connection is closed (aiohttp's own timer).
+  Until a connection has carried a request whose tenant was identified (``mark_identified``:
+  a valid key with auth on, any API request without), it gets
+  ``unauthenticated_keepalive_s`` instead: probes and keyless clients do not hold slots.
 - aiohttp's parser refusals (too many headers, a line too long, a bad request line, broken
   chunked framing) are answered as JSON errors, logged at debug, not as text with a traceback
   at error level (a client could fill the log).
@@ -32,6 +38,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from router.budget import peer_key
 from router.errors import APIError
 
 log = logging.getLogger("prefix_router")
@@ -44,6 +51,8 @@ class ConnectionLimits:
     max_connections: int = 10_000
     header_timeout_s: float = 10.0
     keepalive_timeout_s: float = 75.0
+    max_connections_per_peer: int = 10_000
+    unauthenticated_keepalive_s: float = 75.0
 
 
 def raw_response(status: int, error: APIError) -> bytes:
@@ -102,6 +111,9 @@ class GatewayProtocol(RequestHandler):
         self._limits = manager.limits
         self._on_refused = manager.on_refused
         self._counted = False
+        self._peer = ""
+        self._identified = False
+        self._extended_to = -1.0  # the keep-alive deadline last lengthened for _identified
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # part of a head arrived since the timer was armed
 
@@ -111,9 +123,15 @@ class GatewayProtocol(RequestHandler):
         assert isinstance(server, GatewayServer)
         server.open_connections += 1
         self._counted = True
+        peername = transport.get_extra_info("peername")
+        self._peer = peer_key(peername[0] if isinstance(peername, tuple) and peername else None)
+        held = server.peers[self._peer] = server.peers.get(self._peer, 0) + 1
         if server.open_connections > self._limits.max_connections:
             self._on_refused("connections")
             self._request_handler = self._over_capacity(self._request_handler)
+        elif held > self._limits.max_connections_per_peer:
+            self._on_refused("peer_connections")
+            self._request_handler = self._over_capacity(self._request_handler, per_peer=True)
         super().connection_made(transport)
         self._arm_head_timer()
 
@@ -123,26 +141,51 @@ class GatewayProtocol(RequestHandler):
             server = self._manager
             if isinstance(server, GatewayServer):
                 server.open_connections -= 1
+                left = server.peers.get(self._peer, 0) - 1
+                if left > 0:
+                    server.peers[self._peer] = left
+                else:
+                    server.peers.pop(self._peer, None)
         self._cancel_head_timer()
         super().connection_lost(exc)
 
-    def _over_capacity(self, handler: Any) -> Any:
-        limit = self._limits.max_connections
+    def _over_capacity(self, handler: Any, per_peer: bool = False) -> Any:
+        if per_peer:
+            message = (
+                f"this client has {self._limits.max_connections_per_peer} connections open to "
+                "the gateway, its share; retry shortly (reuse connections, or open fewer)"
+            )
+        else:
+            message = (
+                f"the gateway has {self._limits.max_connections} client connections open, its "
+                "limit; retry shortly (reuse connections, or send fewer at once)"
+            )
 
         async def answer(request: BaseRequest) -> web.StreamResponse:
             if request.method in ("GET", "HEAD") and request.path in PROBE_PATHS:
                 resp: web.StreamResponse = await handler(request)
             else:
-                resp = APIError(
-                    503,
-                    f"the gateway has {limit} client connections open, its limit; retry "
-                    "shortly (reuse connections, or send fewer at once)",
-                    code="overloaded",
-                ).response({"Retry-After": "1"})
+                resp = APIError(503, message, code="overloaded").response({"Retry-After": "1"})
             resp.force_close()
             return resp
 
         return answer
+
+    # -- keep-alive: short until a request was identified ---------------------------------
+    def mark_identified(self) -> None:
+        self._identified = True
+
+    def _process_keepalive(self) -> None:
+        # aiohttp arms the keep-alive timer with the short timeout this connection was made
+        # with; an identified one gets the long one, counted from the same last response.
+        if self._identified and self._next_keepalive_close_time != self._extended_to:
+            limits = self._limits
+            extra = limits.keepalive_timeout_s - min(
+                limits.unauthenticated_keepalive_s, limits.keepalive_timeout_s
+            )
+            self._next_keepalive_close_time += extra
+            self._extended_to = self._next_keepalive_close_time
+        super()._process_keepalive()
 
     # -- request-head deadline ------------------------------------------------------------
     def _arm_head_timer(self) -> None:
@@ -204,6 +247,13 @@ class GatewayProtocol(RequestHandler):
         return resp
 
 
+def mark_identified(request: web.BaseRequest) -> None:
+    """The request's tenant was identified: its connection keeps the long keep-alive."""
+    protocol = request.protocol
+    if isinstance(protocol, GatewayProtocol):
+        protocol.mark_identified()
+
+
 class GatewayServer(web.Server):
     """aiohttp's server, making ``GatewayProtocol`` connections and counting them."""
 
@@ -218,6 +268,7 @@ class GatewayServer(web.Server):
         self.limits = limits
         self.on_refused = on_refused
         self.open_connections = 0
+        self.peers: dict[str, int] = {}  # open connections per peer (router/budget.py's key)
 
     def __call__(self) -> GatewayProtocol:
         return GatewayProtocol(self, loop=self._loop, **self._kwargs)
@@ -233,7 +284,11 @@ class GatewayRunner(web.AppRunner):
         on_refused: Callable[[str], None] = lambda reason: None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("keepalive_timeout", limits.keepalive_timeout_s)
+        # Every connection starts with the short keep-alive; identified ones are lengthened.
+        kwargs.setdefault(
+            "keepalive_timeout",
+            min(limits.keepalive_timeout_s, limits.unauthenticated_keepalive_s),
+        )
         super().__init__(app, **kwargs)
         self._limits = limits
         self._on_refused = on_refused

@@ -108,7 +108,9 @@ async def test_malformed_requests_get_a_json_4xx_and_the_gateway_serves_on(
 # -- the connection cap -------------------------------------------------------------------
 async def test_connections_beyond_the_cap_get_a_503_and_are_closed(fleet, gateway):
     replicas = await fleet(1)
-    gw = await gateway([replicas[0].url], max_connections=4)
+    # The cap alone: every connection here is from one address (tests/test_fair_shares.py:
+    # the per-peer shares).
+    gw = await gateway([replicas[0].url], max_connections=4, client_share=1.0)
     server = gw.runner.server
 
     async def opened(n: int) -> Any:

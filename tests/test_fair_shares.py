@@ -246,3 +246,73 @@ async def test_the_shared_reader_serves_every_body_route(tmp_path, fleet, gatewa
         assert status == 408, (path, body)
     async with aiohttp.ClientSession() as s:
         assert (await post(s, gw.url + "/v1/chat/completions", chat_body("hi")))[0] == 200
+
+
+# -- connections: per-peer shares of the cap, a short keep-alive until a request is identified
+
+
+async def hold_after_health(
+    url: str, peer: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """A connection from ``peer`` that did one GET /health: (reader, writer, its status)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), local_addr=(peer, 0))
+    writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+    length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+    await reader.readexactly(length)
+    return reader, writer, int(head.split(b" ", 2)[1])
+
+
+async def test_one_peer_cannot_hold_every_connection_slot(fleet, gateway):
+    """The issue's attack at a smaller scale: one peer opens as many keep-alive connections
+    as the cap (each did a GET /health). It holds its share (a quarter), the rest are
+    closed after their probe answer, and a client from another address is served."""
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url], max_connections=8, keepalive_timeout_s=60)
+    server = gw.runner.server
+    held = [await hold_after_health(gw.url, "127.0.0.2") for _ in range(8)]
+    assert all(status == 200 for _, _, status in held)  # probes are answered even so
+
+    async def share_held() -> bool:
+        return server.open_connections == 2  # the other six were closed after their answer
+
+    await wait_for(share_held, what="the hog's connections beyond its share closed")
+    status, body = await request(
+        gw.url, chat_body("served"), path="/v1/chat/completions", peer="127.0.0.3"
+    )
+    assert status == 200, body
+    rejected = gw.gateway.metrics.registry.get_sample_value(
+        "prefix_router_rejected_requests_total", {"reason": "peer_connections"}
+    )
+    assert rejected == 6
+    for _, writer, _ in held:
+        writer.close()
+
+
+async def test_a_connection_that_identified_no_request_gets_a_short_keep_alive(fleet, gateway):
+    """A keep-alive connection that only did GET /health is closed after
+    unauthenticated_keepalive_s; one that carried an identified request keeps the long
+    keep-alive: it is still open after the short one has closed."""
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url], keepalive_timeout_s=60, unauthenticated_keepalive_s=0.3)
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    raw = json.dumps(chat_body("identified")).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(raw) + raw
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+    await reader.readexactly(length)
+    # Opened after it, closed by the gateway while it sits idle:
+    r2, w2, status = await hold_after_health(gw.url, "127.0.0.1")
+    assert status == 200
+    assert await asyncio.wait_for(r2.read(), ANSWER_WAIT_S) == b""
+    w2.close()
+    writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")  # the identified one is still open
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    writer.close()
