@@ -34,6 +34,7 @@ from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
 from router.forward import Outcome, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
+from router.json_check import JsonCheck
 from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
 from router.limits import BodyLimits, check_fits
 from router.loading import load_renderer, tokenizer_source
@@ -127,12 +128,30 @@ class Gateway:
             config.max_inflight_body_bytes,
             share_of(config.max_inflight_body_bytes, config.client_share, config.max_body_bytes),
         )
+        # Costly JSON bodies are parsed and held to the limits in a child process first, with
+        # each client's share of the bytes waiting for it (router/json_check.py).
+        self.json_check = JsonCheck(
+            self.limits,
+            SharedBudget(
+                config.max_inflight_body_bytes,
+                share_of(
+                    config.max_inflight_body_bytes, config.client_share, config.max_body_bytes
+                ),
+            ),
+            self._json_checked,
+        )
         self._model_reported = asyncio.Event()  # a replica reported its models (start-up wait)
         # Start-up announcements (router/startup.py): listening, "gateway ready" said, and
         # watchers of the fleet's replica events: await listener(replica, event).
         self.listening = False
         self.announced_ready = False
         self.fleet_listeners: list[Callable[[Replica, str], Awaitable[None]]] = []
+
+    def _json_checked(self, outcome: str) -> None:
+        if outcome == "busy":
+            self.metrics.rejected.labels("json_check").inc()
+        else:
+            self.metrics.json_checks.labels(outcome).inc()
 
     @property
     def receiving_bytes(self) -> int:
@@ -245,6 +264,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.draining = True
+        self.json_check.close()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self.discovery is not None:

@@ -115,7 +115,13 @@ class Handlers:
                 code="body_timeout",
                 close_connection=True,
             ) from None
-        return await decode_body(coding, raw, limit)
+        if as_sent:
+            return raw
+        body = await decode_body(coding, raw, limit)
+        # A body whose parse could hold the GIL long is parsed in another process first: one
+        # outside the limits is refused from there, never parsed here (router/json_check.py).
+        await self.gw.json_check.check(body, client)
+        return body
 
     async def _receive(self, request: web.Request, client: str, limit: int) -> bytes:
         """The body's bytes, each chunk charged to ``client``'s share of the in-flight

@@ -180,8 +180,16 @@ class Metrics:
         self.rejected = Counter(
             "prefix_router_rejected_requests",
             "Requests refused before routing to protect the gateway, by reason "
-            "(body_timeout, inflight_bytes, connections, header_timeout)",
+            "(body_timeout, inflight_bytes, client_inflight_bytes, json_check, connections, "
+            "peer_connections, header_timeout)",
             ["reason"],
+            registry=r,
+        )
+        self.json_checks = Counter(
+            "prefix_router_json_checks",
+            "Request bodies whose parse could hold the event loop, parsed and held to the "
+            "limits in a child process first, by outcome (passed, refused)",
+            ["outcome"],
             registry=r,
         )
 

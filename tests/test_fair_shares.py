@@ -9,6 +9,7 @@ counter, never a sleep."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,42 @@ async def test_a_connection_that_identified_no_request_gets_a_short_keep_alive(f
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
     assert head.startswith(b"HTTP/1.1 200"), head
     writer.close()
+
+
+# -- large bodies: parsed out of process first, so a bomb never holds this process's GIL ----
+
+
+def bomb(messages: int) -> bytes:
+    """A chat body of ``messages`` one-word messages, gzipped (31 MiB in ~70 KB at 600k)."""
+    one = b'{"role":"user","content":"x"},'
+    raw = b'{"model":"Qwen/Qwen3-0.6B","messages":[' + one * messages + b'{"role":"user"}]}'
+    return gzip.compress(raw, 6)
+
+
+async def test_a_gzip_bomb_is_refused_from_another_process(tmp_path, fleet, gateway):
+    """31 MiB inflated, 600k messages: json.loads held the GIL for 2-3.6 s (in a worker
+    thread too). It is parsed and refused in a child process; a small body is parsed here as
+    before, and a large body within the limits passes the check and is served."""
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url], auth=True, api_keys_file=keys_file(tmp_path / "k"))
+    headers = bearer("acme") + "Content-Encoding: gzip\r\nConnection: close\r\n"
+    payload = bomb(600_000)
+    reader, writer = await open_body(gw.url, len(payload), payload, headers)
+    try:
+        status, body = await answer(reader)
+    finally:
+        writer.close()
+    assert status == 400 and body["error"]["param"] == "messages", body
+    checks = gw.gateway.metrics.registry.get_sample_value
+    assert checks("prefix_router_json_checks_total", {"outcome": "refused"}) == 1
+    status, body = await request(
+        gw.url, chat_body("small"), bearer("globex"), path="/v1/chat/completions"
+    )
+    assert status == 200, body
+    assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) is None
+    big = chat_body(
+        "large", metadata={"pad": "u" * 2_400_000}
+    )  # 2.4 MB: checked, within the limits
+    status, body = await request(gw.url, big, bearer("globex"), path="/v1/chat/completions")
+    assert status == 200, body
+    assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) == 1

@@ -1,0 +1,426 @@
+"""The gateway's liveness under hostile traffic: the worst and median ``GET /health`` latency
+while each hostile mix runs, next to a benign baseline run in the same run, with the gateway
+(auth on, two tenants) in front of simulated replicas on loopback.
+
+    python -m loadtest.bench_hostile [--seconds 5] [--mixes baseline,gzip_bombs,...]
+
+Each mix runs for ``--seconds`` while a prober sends ``GET /health`` every 10 ms from
+127.0.0.1 and tenant B sends small chat requests, each on a new connection (so a full
+connection table shows). The hostile senders connect from 127.0.0.2: another peer. Printed:
+per mix, the probes' p50 and worst latency, the worst minus the baseline's worst (target:
+within 50 ms), how many of B's requests were served, and the hostile requests' answers.
+
+Mixes are a list of named coroutines (``MIXES``): a new one (e.g. junk KV events for a
+precise-mode gateway) is one function and one line there. Not a test: it prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from loadtest.procs import running, start_gateway, start_replicas, wait_ready
+
+KEYS = {"a": "sk-bench-hostile-a-0123456789", "b": "sk-bench-hostile-b-9876543210"}
+HOSTILE_PEER = "127.0.0.2"  # every hostile sender's address; the prober and B use 127.0.0.1
+MODEL = "Qwen/Qwen3-0.6B"
+MAX_CONNECTIONS = 200
+
+
+@dataclass
+class Ctx:
+    """What a mix gets: the gateway's address, the stop signal, and where to count answers."""
+
+    url: str
+    stop: asyncio.Event
+    answers: Counter[str] = field(default_factory=Counter)
+    bombs: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return host, int(port)
+
+
+Mix = Callable[[Ctx], Awaitable[None]]
+
+
+def bearer(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def gzip_bomb() -> bytes:
+    """31 MiB of chat JSON (600k one-word messages: a 400 once parsed) in ~30-80 KB."""
+    one = b'{"role":"user","content":"x"},'
+    raw = (
+        b'{"model":"'
+        + MODEL.encode()
+        + b'","max_tokens":1,"messages":['
+        + one * ((31 * 1024 * 1024) // len(one))
+        + b'{"role":"user","content":"x"}]}'
+    )
+    return gzip.compress(raw, 6)
+
+
+def hostile_session() -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(local_addr=(HOSTILE_PEER, 0), force_close=True)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+
+async def _repeat(
+    ctx: Ctx, senders: int, send: Callable[[aiohttp.ClientSession], Awaitable[str]]
+) -> None:
+    """``senders`` loops of ``send`` from the hostile peer until the mix stops."""
+
+    async def loop() -> None:
+        async with hostile_session() as s:
+            while not ctx.stop.is_set():
+                try:
+                    ctx.answers[await send(s)] += 1
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                    ctx.answers[type(e).__name__] += 1
+                    await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(loop() for _ in range(senders)))
+
+
+async def _post_status(
+    s: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str]
+) -> str:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with s.post(url, data=data, headers=headers, timeout=timeout) as resp:
+        await resp.read()
+        return str(resp.status)
+
+
+# -- the mixes --------------------------------------------------------------------------------
+async def baseline(ctx: Ctx) -> None:
+    """Nothing hostile: the prober and tenant B alone."""
+    await ctx.stop.wait()
+
+
+async def gzip_bombs(ctx: Ctx) -> None:
+    """Tenant A, two senders: 31 KB gzip chat bodies inflating to 31 MiB (each a 400)."""
+    headers = {**bearer("a"), "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    bomb = ctx.bombs["gzip"]
+    await _repeat(
+        ctx, 2, lambda s: _post_status(s, ctx.url + "/v1/chat/completions", bomb, headers)
+    )
+
+
+async def explain_bombs(ctx: Ctx) -> None:
+    """No key, two senders: the same bombs to /v1/route/explain."""
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    bomb = ctx.bombs["gzip"]
+    await _repeat(ctx, 2, lambda s: _post_status(s, ctx.url + "/v1/route/explain", bomb, headers))
+
+
+async def _trickle(ctx: Ctx, path: str, auth: bool) -> None:
+    """One connection sending a 1 MB body one byte every 0.2 s, reopened when refused."""
+    host, port = ctx.host_port
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: 1000000\r\n"
+        + (f"Authorization: Bearer {KEYS['a']}\r\n" if auth else "")
+        + "\r\n"
+    ).encode()
+    while not ctx.stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(HOSTILE_PEER, 0))
+        except OSError as e:
+            ctx.answers[type(e).__name__] += 1
+            await asyncio.sleep(0.1)
+            continue
+        try:
+            writer.write(head)
+            while not ctx.stop.is_set() and not reader.at_eof():
+                writer.write(b" ")
+                await writer.drain()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    line = await asyncio.wait_for(reader.readline(), 0.2)
+                    if line.startswith(b"HTTP/1.1"):
+                        ctx.answers[line.split()[1].decode()] += 1
+                        break
+        except OSError as e:
+            ctx.answers[type(e).__name__] += 1
+        finally:
+            writer.close()
+
+
+async def trickled_bodies(ctx: Ctx) -> None:
+    """20 connections trickling bodies: 10 of tenant A's to chat, 10 keyless to explain."""
+    tasks = [_trickle(ctx, "/v1/chat/completions", True) for _ in range(10)]
+    tasks += [_trickle(ctx, "/v1/route/explain", False) for _ in range(10)]
+    await asyncio.gather(*tasks)
+
+
+async def byte_budget_hog(ctx: Ctx) -> None:
+    """Tenant A, 16 connections each announcing a 32 MiB body, sending 4 MiB of it and
+    holding; reopened when refused or timed out."""
+    host, port = ctx.host_port
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {32 * 1024 * 1024}\r\nAuthorization: Bearer {KEYS['a']}\r\n\r\n"
+    ).encode()
+    chunk = b" " * (4 * 1024 * 1024)
+
+    async def hold() -> None:
+        while not ctx.stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(
+                    host, port, local_addr=(HOSTILE_PEER, 0)
+                )
+            except OSError as e:
+                ctx.answers[type(e).__name__] += 1
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                writer.write(head + chunk)
+                await writer.drain()
+                stop = asyncio.ensure_future(ctx.stop.wait())
+                line = asyncio.ensure_future(reader.readline())
+                await asyncio.wait({stop, line}, return_when=asyncio.FIRST_COMPLETED)
+                if line.done() and line.result().startswith(b"HTTP/1.1"):
+                    ctx.answers[line.result().split()[1].decode()] += 1
+                    await asyncio.sleep(0.05)
+                stop.cancel()
+                line.cancel()
+            except OSError as e:
+                ctx.answers[type(e).__name__] += 1
+            finally:
+                writer.close()
+
+    await asyncio.gather(*(hold() for _ in range(16)))
+
+
+async def connection_hog(ctx: Ctx) -> None:
+    """Every one of the gateway's connection slots: keyless keep-alive connections that did
+    one GET /health, reopened as soon as one is closed."""
+    host, port = ctx.host_port
+
+    async def hold() -> None:
+        while not ctx.stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(
+                    host, port, local_addr=(HOSTILE_PEER, 0)
+                )
+            except OSError as e:
+                ctx.answers[type(e).__name__] += 1
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+                line = await reader.readline()
+                if line.startswith(b"HTTP/1.1"):
+                    ctx.answers[line.split()[1].decode()] += 1
+                stop = asyncio.ensure_future(ctx.stop.wait())
+                eof = asyncio.ensure_future(reader.read())  # held until the gateway closes it
+                await asyncio.wait({stop, eof}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                eof.cancel()
+            except OSError as e:
+                ctx.answers[type(e).__name__] += 1
+            finally:
+                writer.close()
+
+    await asyncio.gather(*(hold() for _ in range(MAX_CONNECTIONS)))
+
+
+async def spaces_prompt(ctx: Ctx) -> None:
+    """Tenant A, one sender: chat prompts of 3.9M spaces (a 413 within the tokenize budget)."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": " " * 3_900_000}],
+        }
+    ).encode()
+    headers = {**bearer("a"), "Content-Type": "application/json"}
+    await _repeat(
+        ctx, 1, lambda s: _post_status(s, ctx.url + "/v1/chat/completions", body, headers)
+    )
+
+
+# The mixes in the order they run; ``baseline`` first. Add a mix here (name, coroutine).
+MIXES: list[tuple[str, Mix]] = [
+    ("baseline", baseline),
+    ("gzip_bombs", gzip_bombs),
+    ("explain_bombs", explain_bombs),
+    ("trickled_bodies", trickled_bodies),
+    ("byte_budget_hog", byte_budget_hog),
+    ("connection_hog", connection_hog),
+    ("spaces_prompt", spaces_prompt),
+]
+
+
+# -- measuring --------------------------------------------------------------------------------
+async def probe(url: str, stop: asyncio.Event, lags: list[float]) -> None:
+    """GET /health every 10 ms (one keep-alive connection, reopened if closed)."""
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    await r.read()
+                    if r.status == 200:
+                        lags.append(time.perf_counter() - t0)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                lags.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.01)
+
+
+async def benign(url: str, stop: asyncio.Event, served: Counter[str]) -> None:
+    """Tenant B: small chat requests, one at a time, each on a new connection."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        while not stop.is_set():
+            try:
+                async with s.post(
+                    url + "/v1/chat/completions",
+                    json=body,
+                    headers=bearer("b"),
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as r:
+                    await r.read()
+                    served[str(r.status)] += 1
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                served[type(e).__name__] += 1
+            await asyncio.sleep(0.05)
+
+
+async def run_mix(url: str, name: str, mix: Mix, seconds: float, bombs: dict[str, bytes]) -> dict:
+    ctx = Ctx(url, asyncio.Event(), bombs=bombs)
+    lags: list[float] = []
+    served: Counter[str] = Counter()
+    hostile = asyncio.ensure_future(mix(ctx))
+    await asyncio.sleep(min(1.0, seconds / 5))  # the hostile load builds up first
+    stop_measuring = asyncio.Event()
+    measuring = asyncio.gather(
+        probe(url, stop_measuring, lags), benign(url, stop_measuring, served)
+    )
+    await asyncio.sleep(seconds)
+    stop_measuring.set()
+    await measuring
+    ctx.stop.set()
+    try:
+        await asyncio.wait_for(hostile, 35)
+    except asyncio.TimeoutError:
+        hostile.cancel()
+    return {
+        "mix": name,
+        "probes": len(lags),
+        "p50_ms": statistics.median(lags) * 1e3 if lags else float("nan"),
+        "p99_ms": statistics.quantiles(lags, n=100)[98] * 1e3 if len(lags) > 1 else float("nan"),
+        "worst_ms": max(lags) * 1e3 if lags else float("nan"),
+        "b_ok": served.get("200", 0),
+        "b_sent": sum(served.values()),
+        "b_other": dict(c for c in served.items() if c[0] != "200"),
+        "hostile": dict(ctx.answers.most_common(4)),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    base = rows[0]["worst_ms"]
+    out = [
+        "| mix | /health probes | p50 ms | p99 ms | worst ms | worst - baseline worst | B served | hostile answers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        delta = r["worst_ms"] - base
+        out.append(
+            f"| {r['mix']} | {r['probes']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{r['worst_ms']:.1f} | "
+            f"{delta:+.1f}{'' if delta <= 50 else ' (over 50)'} | {r['b_ok']}/{r['b_sent']}"
+            f"{' ' + str(r['b_other']) if r['b_other'] else ''} | {r['hostile'] or '-'} |"
+        )
+    return "\n".join(out)
+
+
+async def amain(args: argparse.Namespace) -> list[dict]:
+    names = args.mixes.split(",") if args.mixes else [n for n, _ in MIXES]
+    chosen = dict(MIXES)
+    for n in names:
+        if n not in chosen:
+            raise SystemExit(f"unknown mix {n!r}; choose from {', '.join(chosen)}")
+    if names[0] != "baseline":
+        names.insert(0, "baseline")
+    bombs = {"gzip": gzip_bomb()}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp, running() as procs:
+        keys = Path(tmp) / "keys.yaml"
+        keys.write_text(
+            yaml.safe_dump(
+                {
+                    "tenants": {t: {"keys": [k]} for t, k in KEYS.items()},
+                    "salt_secrets": [{"secret": "bench-hostile-secret-0123456789abcdef"}],
+                }
+            )
+        )
+        sim = start_replicas(2)
+        procs.append(sim)
+        gw = start_gateway(
+            sim.urls,
+            "--auth",
+            "--api-keys-file",
+            str(keys),
+            "--max-connections",
+            str(MAX_CONNECTIONS),
+            *args.gateway_args,
+        )
+        procs.append(gw)
+        await wait_ready(gw.url, proc=gw)
+        await run_mix(gw.url, "warm-up", baseline, 1.0, bombs)  # first requests' one-off costs
+        for name in names:
+            row = await run_mix(gw.url, name, chosen[name], args.seconds, bombs)
+            rows.append(row)
+            print(
+                f"{name}: /health p50 {row['p50_ms']:.1f} ms, worst {row['worst_ms']:.1f} ms, "
+                f"B {row['b_ok']}/{row['b_sent']}, hostile {row['hostile']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"Gateway with auth on (tenants a, b), 2 simulated replicas, max_connections "
+        f"{MAX_CONNECTIONS}; each mix {args.seconds:g} s; hostile senders from {HOSTILE_PEER}.\n"
+    )
+    print(table(rows))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_hostile",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per mix")
+    p.add_argument("--mixes", help=f"comma-separated subset of {', '.join(n for n, _ in MIXES)}")
+    p.add_argument(
+        "--gateway-arg",
+        dest="gateway_args",
+        action="append",
+        default=[],
+        help="an extra flag for prefix-router serve (repeatable, e.g. --gateway-arg=--workers=2)",
+    )
+    args = p.parse_args(argv)
+    asyncio.run(amain(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
