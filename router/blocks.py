@@ -18,13 +18,18 @@ import xxhash
 _ROOT = xxhash.xxh3_64_intdigest(b"prefix-router/none-hash")
 
 
-def root_hash(cache_salt: str | None = None, lora: str | None = None) -> int:
+def root_hash(
+    cache_salt: str | None = None, lora: str | None = None, namespace: str | None = None
+) -> int:
     """The parent of block 0. Salt and adapter live here, so every block of the chain is
     re-keyed by them (vLLM puts the salt in block 0's extra keys and the adapter in every
-    block's; through the chain the effect on sharing is the same)."""
-    if cache_salt is None and lora is None:
+    block's; through the chain the effect on sharing is the same). ``namespace``: the served
+    model (router/models/), so two models' chains never share a key in any index."""
+    if cache_salt is None and lora is None and namespace is None:
         return _ROOT
     key = f"salt={cache_salt!r}\x00lora={lora!r}".encode()
+    if namespace is not None:
+        key += f"\x00model={namespace!r}".encode()
     return xxhash.xxh3_64_intdigest(key, seed=_ROOT)
 
 
@@ -41,6 +46,7 @@ def block_hashes(
     cache_salt: str | None = None,
     lora: str | None = None,
     max_blocks: int | None = None,
+    namespace: str | None = None,
 ) -> list[int]:
     """Hashes of the leading full blocks of ``token_ids`` (a partial last block is never cached
     by vLLM, so it is never hashed). At most ``max_blocks`` are computed."""
@@ -48,7 +54,8 @@ def block_hashes(
     out: list[int] = []
     if n:
         step = 4 * block_size
-        _chain(pack_tokens(token_ids), 0, n * step, step, root_hash(cache_salt, lora), out)
+        parent = root_hash(cache_salt, lora, namespace)
+        _chain(pack_tokens(token_ids), 0, n * step, step, parent, out)
     return out
 
 
@@ -107,13 +114,14 @@ class ChainCache:
         cache_salt: str | None = None,
         lora: str | None = None,
         max_blocks: int | None = None,
+        namespace: str | None = None,
     ) -> list[int]:
         n = _full_blocks(token_ids, block_size, max_blocks)
         if n == 0:
             return []
         buf = pack_tokens(token_ids)
         step = 4 * block_size
-        parent = root_hash(cache_salt, lora)
+        parent = root_hash(cache_salt, lora, namespace)
         seed = parent ^ step  # the block size is part of the identity
         out: list[int] = []
         groups = self._groups

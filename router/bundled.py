@@ -24,3 +24,17 @@ def tokenizer_for_model(model: str | None) -> Path | None:
     """The bundled tokenizer directory for ``model``, or None if none is bundled for it."""
     name = BUNDLED_MODELS.get(model or "")
     return tokenizer_dir(name) if name else None
+
+
+def model_for_tokenizer(path: str | None) -> str | None:
+    """The model a bundled tokenizer directory is for (None: not a bundled one)."""
+    if not path:
+        return None
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except OSError:
+        return None
+    for model, name in BUNDLED_MODELS.items():
+        if tokenizer_dir(name).resolve() == resolved:
+            return model
+    return None

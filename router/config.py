@@ -285,6 +285,22 @@ class Config:
     )
     salt_secret: str | None = _opt(None, "server secret keying tenant salts", secret=True)
     tenants: dict[str, Any] = _opt({}, "per-tenant overrides (config file only)", flag=False)
+    # -- models (router/models/; docs/models.md)
+    models: dict[str, Any] = _opt(
+        {},
+        "per served model: tokenizer, chat_template, block_size, aliases, adapters (config "
+        "file only; docs/models.md)",
+        flag=False,
+    )
+    model_aliases: dict[str, Any] = _opt(
+        {}, "client-facing model name -> served model (config file only)", flag=False
+    )
+    lora_runtime_loading: bool = _opt(
+        False,
+        "load a LoRA adapter named under models: ... adapters: on the replica the scheduler "
+        "picks when no replica has it (vLLM's /v1/load_lora_adapter; the replicas need "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     public_prefixes: dict[str, Any] = _opt(
         {}, "named public prefixes (config file only)", flag=False
     )
@@ -318,6 +334,12 @@ class Config:
             )
         if self.block_size is not None and self.block_size <= 0:
             problems.append(f"block_size must be positive, got {self.block_size}")
+        from router.models.spec import ModelSpecError, alias_map, parse_models
+
+        try:
+            alias_map(parse_models(self.models), self.model_aliases)
+        except ModelSpecError as e:
+            problems.append(str(e))
         if self.body_timeout_s <= 0:
             problems.append(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.max_inflight_body_bytes < self.max_body_bytes:

@@ -64,8 +64,25 @@ def describe(
         "hashed_blocks": len(rr.block_hashes),
         "block_hashes": [f"{h:016x}" for h in hashes],
     }
+    entry = rr.extras.get("model_entry")
+    if entry is not None:
+        # How this model's requests are matched: "tokens" (its own tokenizer), or
+        # "text_prefix" (no tokenizer found: an approximation, router/models/fallback.py).
+        out["model_match"] = {
+            "basis": entry.basis,
+            "served_model": entry.name,
+            "tokenizer_origin": entry.tokenizer_origin,
+            "tokenizer": entry.tokenizer,
+            "missing_tokenizer": entry.missing,
+            "block_size_origin": entry.block_size_origin,
+            "replicas": list(entry.replicas),
+            "kept_apart": list(entry.apart),
+            "drift": entry.drift.state(),
+        }
     if include_tokens:
         out["token_ids"] = list(rr.token_ids)
+    if rr.extras.get("adapter_load") is not None:
+        out["adapter_load"] = dict(rr.extras["adapter_load"])  # loaded on the replica first
     if decision is not None:
         out["policy"] = decision.policy
         out["decision"] = {

@@ -45,6 +45,9 @@ class ReplicaStats:
     num_gpu_blocks: int | None = None
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    hash_algo: str | None = None  # cache_config_info's prefix_caching_hash_algo
+    # LoRA adapters with running or waiting requests (vllm:lora_requests_info)
+    lora_active: frozenset[str] = frozenset()
 
 
 def parse_vllm_metrics(text: str) -> ReplicaStats:
@@ -72,6 +75,11 @@ def parse_vllm_metrics(text: str) -> ReplicaStats:
                 s.block_size = int(kv["block_size"])
             with contextlib.suppress(KeyError, ValueError):
                 s.num_gpu_blocks = int(kv["num_gpu_blocks"])
+            s.hash_algo = kv.get("prefix_caching_hash_algo") or s.hash_algo
+        elif name == "vllm:lora_requests_info":
+            kv = dict(_LABEL.findall(labels or ""))
+            names = f"{kv.get('running_lora_adapters', '')},{kv.get('waiting_lora_adapters', '')}"
+            s.lora_active |= {a for a in names.split(",") if a}
     return s
 
 
@@ -162,6 +170,10 @@ class Replica:
             "window_errors": errors,
         }
 
+    def has_model(self, model: str) -> bool:
+        """Serves ``model`` (a base model or a loaded LoRA adapter), or has not said."""
+        return not self.models_known or model in self.models or model in self.stats.lora_active
+
     def candidate(self, matched_blocks: int) -> Candidate:
         return Candidate(
             url=self.url,
@@ -241,11 +253,7 @@ class Fleet:
 
     def serving(self, model: str) -> list[Replica]:
         """Healthy replicas that serve ``model`` (or have not told us what they serve)."""
-        return [
-            r
-            for r in self.replicas.values()
-            if r.healthy and (not r.models_known or model in r.models)
-        ]
+        return [r for r in self.replicas.values() if r.healthy and r.has_model(model)]
 
     def models(self) -> dict[str, dict[str, Any]]:
         """The union of the healthy replicas' model cards."""

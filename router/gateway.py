@@ -32,13 +32,14 @@ from router.discovery import DnsDiscovery
 from router.errors import APIError
 from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
-from router.forward import Outcome, header_allow_list
+from router.forward import Outcome, UpstreamUnavailable, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
 from router.json_check import JsonCheck
 from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
 from router.limits import BodyLimits, check_fits
 from router.loading import load_renderer, tokenizer_source
 from router.metrics import Metrics
+from router.models import ModelEntry, ModelRegistry, Route, fallback
 from router.outlier import OutlierPolicy
 from router.parse import parse_body, parse_json_object
 from router.prompt import NeedsThread, Renderer, segments
@@ -71,6 +72,7 @@ class _Admitted:
     lora: str | None
     salt: SaltDecision
     chat: dict[str, Any] | None = None  # the chat body rendered, for every API but completions
+    entry: ModelEntry | None = None  # the model's registry entry (router/models/)
 
 
 def release_free_memory() -> None:
@@ -86,8 +88,17 @@ class Gateway:
         self, config: Config, renderer: Renderer | None = None, index: PrefixIndex | None = None
     ) -> None:
         self.config = config
-        self.renderer = renderer
+        self.renderer = renderer  # --tokenizer's (or one handed in): see ModelRegistry
         self.metrics = Metrics()
+        # Per served model: renderer, block size, replicas, drift (router/models/).
+        self.models = ModelRegistry(
+            config.models,
+            config.model_aliases,
+            flag_tokenizer=config.tokenizer,
+            flag_block_size=config.block_size,
+            injected=renderer,
+            max_prompt_chars=config.max_prompt_chars,
+        )
         self.tenancy = Tenancy(config)
         self.limits = BodyLimits.from_config(config)
         self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
@@ -146,6 +157,7 @@ class Gateway:
         self.listening = False
         self.announced_ready = False
         self.fleet_listeners: list[Callable[[Replica, str], Awaitable[None]]] = []
+        self._models_ready = False  # start-up loaded the registry's tokenizers
 
     def _json_checked(self, outcome: str) -> None:
         if outcome == "busy":
@@ -192,55 +204,136 @@ class Gateway:
         if self.config.discovery_dns:
             self.discovery = DnsDiscovery.from_config(self.config, self._on_discovered)
             await self.discovery.start()  # the first lookup completes before serving
-        if self.renderer is None:
-            await self._wait_for_a_model()  # fleet mode's keys and the block size need it too
+        await self._wait_for_a_model()  # the registry, fleet mode's keys need it
         if self.config.redis_url:
             self.fleet_mode = FleetMode(
                 self.config, self.fleet, self.metrics, self.spawn, self.sync_ring
             )
             self.index = await self.fleet_mode.start()
         self.sync_ring()
-        if self.config.block_size is None:
-            reported = self.fleet.block_size()
-            self.block_size = reported or DEFAULT_BLOCK_SIZE
-            self.block_size_source = (
-                "reported by the replicas in vllm:cache_config_info"
-                if reported
-                else "the default: no replica reported vllm:cache_config_info"
-            )
+        await self._load_models()
         if self.config.kv_events:
             self.kv_events = await start_for(
                 self.config,
                 self.fleet,
                 self.index,
-                lambda: self.block_size,
+                self.block_size_of,
                 self.metrics,
                 self.fleet_mode,
+                namespace=self.namespace_of,
             )
             self.index = self.kv_events.index  # the events' index over the gateway's
             self.observers.append(SettleOnOutcome(self.kv_events.settle, self.kv_events.reject))
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
-        if self.renderer is None:
-            self.renderer = await asyncio.get_running_loop().run_in_executor(
+
+    async def _load_models(self) -> None:
+        """Build the registry from what the replicas reported and load every model's
+        tokenizer (start-up: a contradicted block size is refused here, in one line)."""
+        assert self.fleet is not None
+        loop = asyncio.get_running_loop()
+        self.models.refresh(self.fleet.replicas.values())
+        if self.models.refused:
+            raise SystemExit(f"prefix-router: {self.models.refused}")
+        for name in self.models.unloaded():
+            entry = await loop.run_in_executor(self.executor, self.models.load, name)
+            self._model_loaded(entry)
+        self._models_ready = self.models.started = True
+        if not self.models.entries and self.renderer is None:
+            # No replica reported a model: --tokenizer, or the one clear line that says why not.
+            self.renderer = await loop.run_in_executor(
                 self.executor,
                 load_renderer,
                 self.config.tokenizer,
-                self.fleet.base_model(),
+                None,
                 self.config.max_prompt_chars,
             )
-            self.tokenizer_source = tokenizer_source(self.config.tokenizer, self.fleet.base_model())
-        # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
-        await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.renderer.max_chars_per_token
+            self.models.injected = self.renderer
+        if self.renderer is not None:
+            await loop.run_in_executor(self.executor, self.renderer.max_chars_per_token)
+        default = self.models.default()
+        if default is not None:
+            self.block_size = default.block_size
+            if self.renderer is None:
+                self.renderer = default.renderer  # diagnostics decode with the default's
+        self._describe_models()
+
+    def _describe_models(self) -> None:
+        """The start-up summary's tokenizer and block-size lines (router/startup.py)."""
+        entries = sorted(self.models.entries.values(), key=lambda e: e.name)
+        if not entries:
+            if self.renderer is not None and self.config.tokenizer:
+                self.tokenizer_source = tokenizer_source(self.config.tokenizer, None)
+            return
+        sources = {
+            "replicas": "reported by the replicas in vllm:cache_config_info",
+            "config": "models: in the config",
+            "flag": "--block-size",
+            "default": "the default: no replica reported vllm:cache_config_info",
+        }
+
+        def tokenizer_of(e: ModelEntry) -> str:
+            if e.renderer is None:
+                return "none found: matched by a text prefix"
+            if e.tokenizer_origin == "injected":
+                return "given by the caller"
+            if e.tokenizer_origin == "bundled":
+                return f"the bundled one for {e.name} ({e.tokenizer})"
+            return f"{e.tokenizer} ({e.tokenizer_origin})"
+
+        if len(entries) == 1:
+            (e,) = entries
+            self.tokenizer_source = tokenizer_of(e)
+            self.block_size_source = sources[e.block_size_origin]
+            return
+        self.tokenizer_source = "; ".join(f"{e.name}: {tokenizer_of(e)}" for e in entries)
+        self.block_size_source = "; ".join(
+            f"{e.name}: {e.block_size}, {sources[e.block_size_origin]}" for e in entries
         )
 
-    async def _wait_for_a_model(self) -> None:
-        """With no tokenizer configured the gateway renders with the model a replica reports:
-        wait (bounded) for one to come up, as replicas started alongside take seconds."""
-        assert self.fleet is not None
-        if self.config.tokenizer or self.fleet.base_model():
+    def _model_loaded(self, entry: ModelEntry) -> None:
+        if entry.renderer is not None:
+            # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
+            entry.renderer.max_chars_per_token()
+        self.metrics.model_info.labels(
+            entry.name, entry.basis, entry.tokenizer_origin, str(entry.block_size)
+        ).set(1)
+
+    def block_size_of(self, replica: str) -> int:
+        """The block size of the model ``replica`` serves (KV events are checked against it)."""
+        entry = self.models.entry_of_replica(replica)
+        return entry.block_size if entry is not None else self.block_size
+
+    def namespace_of(self, replica: str) -> str | None:
+        """The index namespace of the model ``replica`` serves (router/models/)."""
+        entry = self.models.entry_of_replica(replica)
+        if entry is not None:
+            return entry.namespace
+        default = self.models.default()
+        return default.namespace if default is not None else None
+
+    def refresh_models(self) -> None:
+        """Replicas came, went or reported: rebuild the registry, and load a new model's
+        tokenizer off the event loop (its requests use the text prefix until it is in)."""
+        if self.fleet is None:
             return
+        new = self.models.refresh(self.fleet.replicas.values())
+        if self._models_ready:  # during start-up, _load_models loads them
+            for name in new:
+                self.spawn(self._load_later(name))
+
+    async def _load_later(self, name: str) -> None:
+        entry = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.models.load, name
+        )
+        self._model_loaded(entry)
+
+    async def _wait_for_a_model(self) -> None:
+        """With no tokenizer configured the gateway renders with the models the replicas
+        report: wait (bounded) for one to come up, as replicas started alongside take seconds."""
+        assert self.fleet is not None
+        if self.config.tokenizer or self.renderer is not None or self.fleet.base_model():
+            return  # a model coming up later joins the registry then
         states = "; ".join(
             f"{r.url}: {'up' if r.healthy else r.health_error or 'not checked yet'}"
             for r in self.fleet.replicas.values()
@@ -261,6 +354,7 @@ class Gateway:
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
         self.sync_ring()
+        self.refresh_models()
 
     async def stop(self) -> None:
         self.draining = True
@@ -312,6 +406,8 @@ class Gateway:
         if event == "ejected":
             self.metrics.ejections.labels(replica.url, replica.ejection_reason or "").inc()
         self.sync_ring()
+        if event in ("models", "capacity", "removed", "healthy"):
+            self.refresh_models()
         for listener in list(self.fleet_listeners):
             await listener(replica, event)
 
@@ -348,26 +444,34 @@ class Gateway:
             )
         else:
             admitted = self._admit(raw, endpoint, tenant)
+            renderer = admitted.entry.renderer if admitted.entry is not None else None
             try:
-                # Cached segments cost microseconds: tokenize in place, and hand a prompt with
-                # a lot of new text to a thread (the Rust tokenizer releases the GIL there).
-                with self._renderer().inline(self._loop_encode_chars()):
-                    if lazy and self.lazy_tail:
-                        token_ids = self._tokenize_lazy(admitted)
-                    else:
-                        token_ids = self._tokenize(admitted)
+                if renderer is None:  # no tokenizer for this model: the text prefix
+                    token_ids = self._tokenize(admitted)
+                else:
+                    # Cached segments cost microseconds: tokenize in place, and hand a prompt
+                    # with a lot of new text to a thread (the Rust tokenizer releases the GIL).
+                    with renderer.inline(self._loop_encode_chars(renderer)):
+                        if lazy and self.lazy_tail:
+                            token_ids = self._tokenize_lazy(admitted, renderer)
+                        else:
+                            token_ids = self._tokenize(admitted)
             except NeedsThread:
                 token_ids = await loop.run_in_executor(self.executor, self._tokenize, admitted)
-        body, salt = admitted.body, admitted.salt
+        body, salt, entry = admitted.body, admitted.salt, admitted.entry
+        assert entry is not None
         head, ids = (token_ids, token_ids.ids) if isinstance(token_ids, Head) else (None, token_ids)
-        hashes = self._hashes(ids, admitted.lora, salt.salt)
-        extras: dict[str, Any] = {"raw": raw if body is admitted.client_body else None}
-        if head is not None:  # the rest is tokenized once the request is on its way
-            finish = functools.partial(self._finish, head, salt.salt)
+        hashes = self._hashes(ids, admitted.lora, salt.salt, entry)
+        extras: dict[str, Any] = {
+            "raw": raw if body is admitted.client_body else None,
+            "model_entry": entry,
+        }
+        if head is not None and entry.renderer is not None:  # the rest: once it is on its way
+            finish = functools.partial(self._finish, head, salt.salt, entry.renderer)
             begin = functools.partial(loop.run_in_executor, self.executor, finish)
             limit = self.config.max_hashed_blocks
             capped = limit is not None and len(hashes) >= limit
-            inline = finish if self._tail_inline(head) else None
+            inline = finish if self._tail_inline(head, entry.renderer) else None
             extras["tail"] = lazy_tail.Tail(begin, len(hashes), capped, inline)
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
         limits = admitted.chat if admitted.chat is not None else body
@@ -381,7 +485,7 @@ class Gateway:
             body=body,
             stream=bool(body.get("stream", False)),
             token_ids=ids,
-            block_size=self.block_size,
+            block_size=entry.block_size,
             block_hashes=hashes,
             cache_salt=salt.salt,
             lora=admitted.lora,
@@ -399,32 +503,38 @@ class Gateway:
             return await loop.run_in_executor(self.executor, parse_json_object, raw)
         return parse_json_object(raw)
 
-    def _hashes(self, token_ids: Sequence[int], lora: str | None, salt: str | None) -> list[int]:
+    def _hashes(
+        self, token_ids: Sequence[int], lora: str | None, salt: str | None, entry: ModelEntry
+    ) -> list[int]:
+        # The model's own block size, and its namespace: no two models share an index key.
         return self.chain_cache.block_hashes(
             token_ids,
-            self.block_size,
+            entry.block_size,
             cache_salt=salt,
             lora=lora,
             max_blocks=self.config.max_hashed_blocks,
+            namespace=entry.namespace,
         )
 
-    def _loop_encode_chars(self) -> int:
-        return self._renderer().loop_encode_chars(INLINE_UNCACHED_CHARS)
+    @staticmethod
+    def _loop_encode_chars(renderer: Renderer) -> int:
+        return renderer.loop_encode_chars(INLINE_UNCACHED_CHARS)
 
-    def _lazy_min_rest(self) -> int:
+    def _lazy_min_rest(self, renderer: Renderer) -> int:
         """Below this much text from the first new segment on, a head is not worth its
         overhead (a second pass, the hand-off, ~0.2 ms a request): with fastokens, the rest
         the loop would encode in place anyway; with Hugging Face's BPE (~2.5 ms per 1,000
         tokens), any rest."""
-        return self._loop_encode_chars() if self._renderer().fast_encoder else 0
+        return self._loop_encode_chars(renderer) if renderer.fast_encoder else 0
 
-    def _tail_inline(self, head: Head) -> bool:
+    def _tail_inline(self, head: Head, renderer: Renderer) -> bool:
         """Whether a head's rest is small enough to tokenize on the loop once it is sent."""
-        return head.rest_chars <= self._loop_encode_chars()
+        return head.rest_chars <= self._loop_encode_chars(renderer)
 
-    def _finish(self, head: Head, salt: str | None) -> Sequence[int]:
+    @staticmethod
+    def _finish(head: Head, salt: str | None, renderer: Renderer) -> Sequence[int]:
         """A head's full ids, in a worker thread (the segment cache scoped as in prepare)."""
-        with self._renderer().cache_scope(salt):
+        with renderer.cache_scope(salt):
             return head.finish()
 
     async def complete(self, rr: RoutedRequest) -> RoutedRequest:
@@ -441,36 +551,48 @@ class Gateway:
             if ids[: len(head)] != head:  # cannot happen (tests/test_lazy_tail.py): stay safe
                 log.error("lazy tail: a head was not a prefix of its prompt; lazy tail off")
                 self.lazy_tail = False
-            hashes = self._hashes(ids, rr.lora, rr.cache_salt)
+            hashes = self._hashes(ids, rr.lora, rr.cache_salt, rr.extras["model_entry"])
             tail.full = dataclasses.replace(rr, token_ids=ids, block_hashes=hashes, tail_tokens=0)
             for hook in tail.on_full:
                 hook(tail.full)
         return tail.full
 
-    def _renderer(self) -> Renderer:
-        assert self.renderer is not None
-        return self.renderer
+    def route_of(self, name: Any) -> Route:
+        """The registry entry a body's ``model`` names (aliases applied), or the error that
+        says why none serves it. Offline (no fleet): the renderer handed in, for any name."""
+        name = name if isinstance(name, str) else None
+        if self.fleet is None:
+            name = name or self.models.offline_default()
+            return self.models.offline(name, self.renderer, self.block_size)
+        route = self.models.resolve(name)
+        if route is None:
+            self.serving(self.models.alias(name) if name else (self.fleet.base_model() or ""))
+            self.refresh_models()  # served, but the registry has not seen it yet
+            route = self.models.resolve(name)
+        if route is None:  # not in the registry yet: by load and the text prefix meanwhile
+            return self.models.offline(name or "", None, self.block_size)
+        return route
 
     def _admit(self, raw: bytes, endpoint: Endpoint, tenant: str) -> _Admitted:
         """Parse the body, check that some replica serves its model, and decide its salt:
         everything that comes before tokenizing. A request for a model nobody serves is
         refused here, so it cannot be used to time the tokenizer's caches for free."""
-        body = parse_body(raw, endpoint, self.limits)
-        model = body.get("model")
-        fleet = self.fleet
-        if model is None:
-            model = (fleet.base_model() if fleet else None) or ""
-        if fleet is not None:
-            self.serving(model)
-        lora = model if fleet and fleet.adapter_parent(model) else None
-        if fleet is not None:  # what cannot fit the context is refused before rendering
-            card = fleet.card(model) or {}
-            check_fits(body, card.get("max_model_len"), self._renderer().max_chars_per_token())
+        body = client_body = parse_body(raw, endpoint, self.limits)
+        route = self.route_of(body.get("model"))
+        model, lora, entry = route.model, route.lora, route.entry
+        if self.fleet is not None:
+            self.serving(model, entry=entry)
+        if route.alias_of is not None:  # the replicas know the served name only
+            body = dict(body)
+            body["model"] = model
+        if self.fleet is not None and entry.renderer is not None:
+            # What cannot fit the context is refused before rendering.
+            card = self.fleet.card(model) or {}
+            check_fits(body, card.get("max_model_len"), entry.renderer.max_chars_per_token())
         chat = to_chat(endpoint, body)
         salt = self.tenancy.salt(
             tenant, body.get("cache_salt"), chat.get("messages") if chat is not None else None
         )
-        client_body = body
         if salt.salt != body.get("cache_salt"):
             body = dict(body)
             if salt.salt is None:
@@ -479,18 +601,23 @@ class Gateway:
                 body["cache_salt"] = salt.salt
             if endpoint == "chat":
                 chat = body
-        return _Admitted(endpoint, body, client_body, model, lora, salt, chat)
+        return _Admitted(endpoint, body, client_body, model, lora, salt, chat, entry)
 
-    def _tokenize_lazy(self, admitted: _Admitted) -> Sequence[int] | Head:
+    def _tokenize_lazy(self, admitted: _Admitted, renderer: Renderer) -> Sequence[int] | Head:
         """``_tokenize``, or for a chat prompt with new text a head (router/lazy_tail.py)."""
         if admitted.chat is None:
             return self._tokenize(admitted)
-        renderer = self._renderer()
+        assert admitted.entry is not None
         with renderer.cache_scope(admitted.salt.salt):
-            return renderer.chat_head(admitted.chat, self.block_size, self._lazy_min_rest())
+            return renderer.chat_head(
+                admitted.chat, admitted.entry.block_size, self._lazy_min_rest(renderer)
+            )
 
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
-        renderer = self._renderer()
+        assert admitted.entry is not None
+        renderer = admitted.entry.renderer
+        if renderer is None:  # router/models/fallback.py: labelled text_prefix
+            return fallback.prompt_ids(admitted.chat, admitted.body)
         # The segment cache is scoped like the replicas' prefix caches: by the salt sent;
         # new text is encoded within a CPU budget, and stops once it cannot fit the context.
         budget = segments.budget(self.config.max_tokenize_cpu_s, self._max_prompt_tokens(admitted))
@@ -506,7 +633,9 @@ class Gateway:
         chat = admitted.chat or {}
         if self.fleet is None or "truncate_prompt_tokens" in {**admitted.body, **chat}:
             return None
-        n = (self.fleet.models().get(admitted.model) or {}).get("max_model_len")
+        n = (self.fleet.card(admitted.model) or {}).get("max_model_len")
+        if n is None and admitted.entry is not None:
+            n = admitted.entry.max_model_len  # an adapter's card has none: its base's
         return n if type(n) is int and n > 0 else None
 
     def _admit_and_tokenize(
@@ -515,11 +644,25 @@ class Gateway:
         admitted = self._admit(raw, endpoint, tenant)
         return admitted, self._tokenize(admitted)
 
-    def serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
-        """The replicas that can take a request for ``model``, or the error that says why
-        none can."""
+    def serving(
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        entry: ModelEntry | None = None,
+        lora: str | None = None,
+    ) -> list[Replica]:
+        """The replicas that can take a request for ``model`` (those of its registry entry's
+        routed group: replicas kept apart only when none of those can), or the error that
+        says why none can. An adapter no replica has, where runtime loading is allowed: its
+        base model's replicas (the chosen one loads it, ``ensure_adapter``)."""
         assert self.fleet is not None
         replicas = [r for r in self.fleet.serving(model) if r.url not in exclude]
+        if not replicas and lora is not None and self._may_load(lora):
+            base = entry.name if entry is not None else ""
+            replicas = [r for r in self.fleet.serving(base) if r.url not in exclude]
+        if entry is not None and entry.replicas:
+            routed = set(entry.replicas)
+            replicas = [r for r in replicas if r.url in routed] or replicas
         if not replicas:
             if not self.fleet.healthy():
                 raise APIError(503, "no healthy replica is available", code="no_replica")
@@ -537,7 +680,8 @@ class Gateway:
 
     async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         t0 = time.perf_counter()
-        replicas = self.serving(rr.model, exclude)
+        entry = rr.extras.get("model_entry")
+        replicas = self.serving(rr.model, exclude, entry, rr.lora)
         if pinned := rr.extras.get("pinned_replica"):  # holds the state the request names
             replicas = [r for r in replicas if r.url == pinned] or replicas
         urls = [r.url for r in replicas]
@@ -552,8 +696,54 @@ class Gateway:
                 if self.policy.uses_index:
                     matches = await self.index.match(rr.block_hashes, urls)
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
+        if rr.lora is not None:
+            chosen = self.fleet.replicas.get(decision.replica) if self.fleet else None
+            if chosen is not None and not chosen.has_model(rr.lora):
+                rr.extras["adapter_load"] = {
+                    "replica": decision.replica,
+                    "adapter": rr.lora,
+                    "path": self.models.loadable_adapters[rr.lora][1],
+                }
+            else:
+                rr.extras.pop("adapter_load", None)
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         return decision
+
+    def _may_load(self, adapter: str) -> bool:
+        return self.config.lora_runtime_loading and adapter in self.models.loadable_adapters
+
+    async def ensure_adapter(self, rr: RoutedRequest, replica: Replica) -> None:
+        """Load the request's LoRA adapter on ``replica`` first, when ``decide`` chose one
+        without it (vLLM's /v1/load_lora_adapter). A failure is the replica's: retried
+        elsewhere as any failure before the first byte."""
+        load = rr.extras.get("adapter_load")
+        if load is None or load["replica"] != replica.url or replica.has_model(load["adapter"]):
+            return
+        assert self.session is not None and self.fleet is not None
+        entry = rr.extras.get("model_entry")
+        model = entry.name if entry is not None else ""
+        headers = dict(self.fleet.headers)
+        payload = {"lora_name": load["adapter"], "lora_path": load["path"]}
+        try:
+            async with self.session.post(
+                replica.url + "/v1/load_lora_adapter",
+                json=payload,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_floor_s),
+            ) as resp:
+                text = await resp.text()
+                ok = resp.status == 200 or "already been loaded" in text
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ok, text = False, f"{type(e).__name__}: {e}"
+        self.metrics.adapter_loads.labels(model, load["adapter"], "ok" if ok else "failed").inc()
+        if not ok:
+            log.warning(
+                "loading LoRA adapter %s on %s failed: %s", load["adapter"], replica.url, text[:200]
+            )
+            raise UpstreamUnavailable(f"load_lora_adapter: {text[:80]}")
+        log.info("loaded LoRA adapter %s on %s", load["adapter"], replica.url)
+        replica.models[load["adapter"]] = model
+        self.refresh_models()
 
     async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
         """The replica failed before computing the blocks recorded for it: take back what
@@ -628,6 +818,9 @@ class Gateway:
             replica.ttft.observe(outcome.first_byte_s)
         predicted = decision.matched_blocks * rr.block_size
         self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
+        entry = rr.extras.get("model_entry")
+        if entry is not None:
+            self._learn_model(entry, predicted, outcome.cached_tokens)
         for observer in self.observers:
             observer.observe(rr, decision, outcome)
         if outcome.cached_tokens is None:
@@ -645,6 +838,35 @@ class Gateway:
                 predicted,
             )
             self.spawn(self._reset_replica(decision.replica, rr.block_hashes))
+
+    def _learn_model(self, entry: ModelEntry, predicted: int, reported: int | None) -> None:
+        """Per-model counters and the drift watch (router/models/drift.py)."""
+        m = self.metrics
+        m.child(m.model_requests, entry.name, entry.basis).inc()
+        m.child(m.model_predicted_cached_tokens, entry.name).inc(predicted)
+        if reported is None:
+            return
+        m.child(m.model_reported_cached_tokens, entry.name).inc(reported)
+        if entry.basis != "tokens":  # a text prefix approximates: no drift to speak of
+            return
+        change = entry.drift.observe(predicted, reported)
+        m.child(m.model_drift, entry.name).set(entry.drift.ratio())
+        if change is None:
+            return
+        m.child(m.model_drifting, entry.name).set(1 if change else 0)
+        if change:
+            log.warning(
+                "model %s: predictions run above what its replicas report (%.0f%% of the "
+                "predicted cached tokens of its last %d requests unconfirmed): do the replicas "
+                "use another chat template, tokenizer or block size? (tokenizer: %s %s)",
+                entry.name,
+                100 * entry.drift.ratio(),
+                len(entry.drift.samples),
+                entry.tokenizer_origin,
+                entry.tokenizer,
+            )
+        else:
+            log.info("model %s: predictions agree with its replicas again", entry.name)
 
     async def _reset_replica(self, url: str, keep: list[int]) -> None:
         await self.index.drop_replica(url)

@@ -207,6 +207,7 @@ class Handlers:
                 extra["x-prefix-router-replica"] = replica.url
                 extra["x-prefix-router-cached-blocks"] = str(decision.matched_blocks)
             try:
+                await self.gw.ensure_adapter(rr, replica)  # a LoRA loaded at run time
                 resp, outcome = await self._send(
                     request, rr, replica, decision, body, headers, extra
                 )
@@ -380,6 +381,17 @@ class Handlers:
                 "replicas": len(self.gw.fleet.replicas),
                 "draining": self.gw.draining,
                 "waiting_for": startup.waiting_for(self.gw),  # null when ready
+                "models": {
+                    name: {
+                        "basis": e.basis,
+                        "replicas": len(e.replicas),
+                        "kept_apart": len(e.apart),
+                        "block_size": e.block_size,
+                        "drifting": e.drift.flagged,
+                        **({"missing_tokenizer": e.missing} if e.missing else {}),
+                    }
+                    for name, e in sorted(self.gw.models.entries.items())
+                },
             },
             status=200 if ok else 503,
         )

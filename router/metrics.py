@@ -80,6 +80,50 @@ class Metrics:
         self.tenant_requests = Counter(
             "prefix_router_tenant_requests", "Requests by tenant", ["tenant"], registry=r
         )
+        # -- per served model (router/models/)
+        self.model_info = Gauge(
+            "prefix_router_model_info",
+            "Served models: how requests are matched (basis tokens, or text_prefix without a "
+            "tokenizer), where the tokenizer came from, the block size",
+            ["model", "basis", "tokenizer", "block_size"],
+            registry=r,
+        )
+        self.model_requests = Counter(
+            "prefix_router_model_requests",
+            "Requests by served model and basis (tokens, or text_prefix: no tokenizer)",
+            ["model", "basis"],
+            registry=r,
+        )
+        self.model_predicted_cached_tokens = Counter(
+            "prefix_router_model_predicted_cached_tokens",
+            "Prompt tokens predicted held by the chosen replica, by model",
+            ["model"],
+            registry=r,
+        )
+        self.model_reported_cached_tokens = Counter(
+            "prefix_router_model_reported_cached_tokens",
+            "Cached prompt tokens the replicas reported, by model",
+            ["model"],
+            registry=r,
+        )
+        self.model_drift = Gauge(
+            "prefix_router_model_drift",
+            "Share of a model's recently predicted cached tokens its replicas did not confirm",
+            ["model"],
+            registry=r,
+        )
+        self.model_drifting = Gauge(
+            "prefix_router_model_drifting",
+            "1 while a model's predictions run consistently above what its replicas report",
+            ["model"],
+            registry=r,
+        )
+        self.adapter_loads = Counter(
+            "prefix_router_lora_adapter_loads",
+            "LoRA adapters loaded on a replica at run time (/v1/load_lora_adapter), by outcome",
+            ["model", "adapter", "outcome"],
+            registry=r,
+        )
         self.prediction_error = Histogram(
             "prefix_router_prediction_error_tokens",
             "predicted - reported cached tokens, for responses that report them",

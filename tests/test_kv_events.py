@@ -36,14 +36,16 @@ KV = {
 
 
 def truth(replica: Any) -> set[int]:
-    """The gateway hashes of every block the simulated replica's cache holds now."""
+    """The gateway hashes of every block the simulated replica's cache holds now (keyed, as
+    the gateway keys them, by the replica's model: router/models/)."""
     pool = replica.engine.pool
+    model = replica.config.model
     memo: dict[bytes, int] = {}
 
     def gateway_hash(h: bytes) -> int:
         if h not in memo:
             parent, tokens, lora, salt = pool.lineage[h]
-            p = root_hash(salt, lora) if parent is None else gateway_hash(parent)
+            p = root_hash(salt, lora, model) if parent is None else gateway_hash(parent)
             memo[h] = continue_chain(p, tokens, BS)[0]
         return memo[h]
 
@@ -321,7 +323,7 @@ async def test_hostile_frames_never_crash_or_corrupt_the_index():
         index,
         lambda urls: {u: Endpoints(fake.endpoint) for u in urls},
         lambda: [url],
-        lambda: BS,
+        lambda url: BS,
         max_message_bytes=64 * 1024,
         timeout_s=1.0,
         reconnect_s=0.2,

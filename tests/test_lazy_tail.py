@@ -186,8 +186,8 @@ def test_lazy_decisions_and_records_equal_full_tokenization(
     """Both ways of finishing a head: on the loop once the request is sent (a small rest),
     and in a worker thread."""
     gw, renderer = harness.gw, harness.renderer
-    monkeypatch.setattr(gw, "_lazy_min_rest", lambda: 0)  # every new turn may be lazy
-    monkeypatch.setattr(gw, "_tail_inline", lambda head: rest == "inline")
+    monkeypatch.setattr(gw, "_lazy_min_rest", lambda renderer: 0)  # every new turn may be lazy
+    monkeypatch.setattr(gw, "_tail_inline", lambda head, renderer: rest == "inline")
     seen = {"head": 0, "full": 0}
 
     @settings(
@@ -211,9 +211,15 @@ def test_lazy_decisions_and_records_equal_full_tokenization(
             for j in spec["earlier"]:
                 u = turns[j][0] if j < len(turns) else case["user"]
                 earlier = harness.ids(body(system, turns[:j], u, salt))
-                harness.run(gw.index.record(url, block_hashes(earlier, BLOCK, cache_salt=salt)))
+                harness.run(
+                    gw.index.record(
+                        url, block_hashes(earlier, BLOCK, cache_salt=salt, namespace=MODEL)
+                    )
+                )
             if spec["own_prefix"] is not None:
-                own = block_hashes(ids, BLOCK, cache_salt=salt)[: spec["own_prefix"]]
+                own = block_hashes(ids, BLOCK, cache_salt=salt, namespace=MODEL)[
+                    : spec["own_prefix"]
+                ]
                 harness.run(gw.index.record(url, own))
             replica = gw.fleet.replicas[url]
             replica.inflight, replica.pending_prefill_tokens = spec["inflight"], spec["pending"]
@@ -267,7 +273,7 @@ def test_a_head_is_taken_only_past_enough_new_text(
     long_ = body(SYSTEMS[0], [], "refund policy " * 200, None)  # 2,800 new characters
 
     def lazily(raw: bytes, min_rest: int) -> RoutedRequest:
-        monkeypatch.setattr(gw, "_lazy_min_rest", lambda: min_rest)
+        monkeypatch.setattr(gw, "_lazy_min_rest", lambda renderer: min_rest)
         renderer.clear_cache()
         harness.run(gw.prepare(short, {}, "chat", "warm", tenant="t"))  # system prompt cached
         return harness.run(gw.prepare(raw, {}, "chat", "l", tenant="t", lazy=True))
@@ -320,7 +326,7 @@ async def test_over_http_a_new_user_turn_routes_on_its_head_and_is_recorded_whol
         assert predicted > 0 and cached_tokens(answer) >= predicted
         ids = reference_renderer.tokenize_chat(second)
         assert answer["usage"]["prompt_tokens"] == len(ids)
-        want = block_hashes(ids, BLOCK)
+        want = block_hashes(ids, BLOCK, namespace=MODEL)
         index = gw.gateway.index
 
         async def recorded() -> bool:

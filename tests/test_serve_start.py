@@ -104,7 +104,7 @@ def test_replica_and_serve_with_no_other_flags(procs: list[subprocess.Popen[str]
     gw.send_signal(signal.SIGTERM)
     _, err = gw.communicate(timeout=60)
     assert gw.returncode == 0, err
-    assert "tokenizer: the bundled one for Qwen/Qwen3-0.6B" in err
+    assert "model Qwen/Qwen3-0.6B: tokenizer from bundled" in err
     assert "gateway ready" in err
     assert "shutting down" in err and err.rstrip().endswith("stopped"), err
     assert "Traceback" not in err

@@ -55,6 +55,12 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
     )
     p.add_argument("--model", default=d["model"].default, help="served model name")
     p.add_argument(
+        "--root",
+        default=None,
+        help="the model card's root (vLLM: the path or hub id the model was loaded from; "
+        "default: --model)",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer directory or Hugging Face model id (default: the bundled Qwen3 "
@@ -124,6 +130,12 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         help="LoRA adapter names served besides the base model",
     )
     p.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    p.add_argument(
         "--enable-prompt-tokens-details",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -175,6 +187,7 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         model=args.model,
+        root=args.root,
         tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -186,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         lora_adapters=list(args.lora),
+        allow_runtime_lora=args.allow_runtime_lora,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         always_report_cached_tokens=args.always_report_cached_tokens,
         enable_force_include_usage=args.enable_force_include_usage,

@@ -15,6 +15,7 @@ VLLM_VERSION = "0.34.0"
 @dataclass
 class SimConfig:
     model: str = "Qwen/Qwen3-0.6B"
+    root: str | None = None  # the card's ``root`` (vLLM: the path or hub id loaded); None: model
     tokenizer: str = DEFAULT_TOKENIZER
     block_size: int = 16
     num_gpu_blocks: int = 4096  # finite pool, LRU eviction of free cached blocks
@@ -28,6 +29,8 @@ class SimConfig:
     max_num_seqs: int = 256
     max_model_len: int = 40960
     lora_adapters: list[str] = field(default_factory=list)  # extra cards, parent = model
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    allow_runtime_lora: bool = False
     enable_prompt_tokens_details: bool = True
     # vLLM attaches prompt_tokens_details only when cached_tokens > 0 (null / absent on a
     # miss); True reports {"cached_tokens": 0} on a miss too.

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import TYPE_CHECKING
 
@@ -103,9 +104,31 @@ class Endpoints:
                 ],
             }
 
-        data = [card(c.model, c.model, None, c.max_model_len)]
+        data = [card(c.model, c.root or c.model, None, c.max_model_len)]
         data += [card(name, f"/adapters/{name}", c.model, None) for name in c.lora_adapters]
         return json_response({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA loading (with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter
+        is served from now on, under its own block chains."""
+        body = await read_json(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+        if name in self.r.config.lora_adapters or name == self.r.config.model:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        self.r.add_adapter(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        name = body.get("lora_name")
+        if name not in self.r.config.lora_adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
+        self.r.config = dataclasses.replace(
+            self.r.config, lora_adapters=[a for a in self.r.config.lora_adapters if a != name]
+        )
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.r.health_status)
@@ -119,6 +142,7 @@ class Endpoints:
         m.running.set(running)
         m.waiting.set(waiting)
         m.kv_usage.set(self.r.engine.pool.usage())
+        m.set_lora_info(*self.r.engine.lora_counts(), max_lora=len(self.r.config.lora_adapters))
         return web.Response(
             body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
         )

@@ -291,6 +291,12 @@ class Engine:
         started = sum(1 for s in self.active if s.prefill_start <= now)
         return started, len(self.waiting) + len(self.active) - started
 
+    def lora_counts(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) LoRA adapters, as vllm:lora_requests_info labels them."""
+        running = sorted({s.lora for s in self.active if s.lora})
+        waiting = sorted({s.lora for s in self.waiting if s.lora})
+        return running, waiting
+
     def idle(self) -> bool:
         return not self.waiting and not self.active
 

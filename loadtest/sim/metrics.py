@@ -3,6 +3,7 @@ replicas can live in one process)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -151,6 +152,23 @@ class SimMetrics:
             [*info, "engine"],
             registry=reg,
         ).labels(**info, engine=engine).set(1)
+
+        self._lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=reg,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
+
+    def set_lora_info(self, running: list[str], waiting: list[str], *, max_lora: int) -> None:
+        """vLLM's gauge: one sample whose labels name the adapters (value: a timestamp)."""
+        labels = (str(max_lora), ",".join(waiting), ",".join(running))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora_info.labels(*labels).set(time.time())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

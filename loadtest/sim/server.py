@@ -177,6 +177,15 @@ class SimReplica:
 
     # ------------------------------------------------------------------ test hooks
 
+    def add_adapter(self, name: str) -> None:
+        """Serve LoRA adapter ``name`` from now on (runtime loading)."""
+        # A new config: replicas started from one SimConfig must not all get the adapter.
+        self.config = dataclasses.replace(
+            self.config, lora_adapters=[*self.config.lora_adapters, name]
+        )
+        self.engine.lora_ids.setdefault(name, len(self.engine.lora_ids) + 1)
+        self.stats["adapters_loaded"] = self.stats.get("adapters_loaded", 0) + 1
+
     def fail_next(self, n: int, status: int = 503) -> None:
         """The next ``n`` generation requests answer ``status`` before any byte."""
         self.faults.fail_next(n, status)
@@ -229,6 +238,9 @@ class SimReplica:
         r.add_get("/version", other.version)
         r.add_get("/metrics", other.metrics)
         r.add_post("/reset_prefix_cache", other.reset_prefix_cache)
+        if self.config.allow_runtime_lora:
+            r.add_post("/v1/load_lora_adapter", other.load_lora_adapter)
+            r.add_post("/v1/unload_lora_adapter", other.unload_lora_adapter)
         r.add_post("/v1/messages", apis.messages)
         r.add_post("/v1/messages/count_tokens", apis.count_tokens)
         r.add_post("/v1/responses", apis.responses)

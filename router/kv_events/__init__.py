@@ -76,9 +76,10 @@ async def start_for(
     config: Config,
     fleet: Fleet,
     index: PrefixIndex,
-    block_size: Callable[[], int],
+    block_size: Callable[[str], int],
     metrics: Any,
     fleet_mode: FleetMode | None,
+    namespace: Callable[[str], str | None] | None = None,
 ) -> KVEventSubscriber:
     """The subscriber for a gateway's fleet and index per its config, started. The gateway
     routes with its ``index`` (a ``PreciseIndex`` over ``index``) from then on, and gives
@@ -111,6 +112,7 @@ async def start_for(
         timeout_s=config.kv_events_timeout_s,
         metrics=metrics,
         leases=leases,
+        namespace=namespace,
     )
     await sub.start()
     return sub

@@ -77,12 +77,17 @@ class Applier:
     def __init__(
         self,
         handle: IndexHandle,
-        block_size: Callable[[], int],
+        block_size: Callable[[str], int],
         count: Callable[[Stream, str, int], None],
         capacity_for: Callable[[Stream, int], int],
+        *,
+        namespace: Callable[[str], str | None] | None = None,
     ) -> None:
         self.handle = handle
+        # A replica's model's block size and index namespace (router/models/): its blocks
+        # are keyed as the gateway keys that model's requests.
         self._block_size = block_size
+        self._namespace = namespace or (lambda url: None)
         self.count = count
         self._capacity_for = capacity_for
 
@@ -163,12 +168,12 @@ class Applier:
         if not counts(ev.medium, ev.group_idx):
             stream.other_tier_blocks += len(ev.block_hashes)
             return
-        if ev.block_size != self._block_size():
+        if ev.block_size != self._block_size(stream.url):
             self.count(stream, "block_size", 1)
             return
         holders = stream.holders
         if ev.parent_block_hash is None:
-            parent = blocks.root_hash(ev.cache_salt(), ev.lora_name)
+            parent = blocks.root_hash(ev.cache_salt(), ev.lora_name, self._namespace(stream.url))
         else:
             found = holders.parent(ev.parent_block_hash)
             if found is None:

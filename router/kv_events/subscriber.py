@@ -40,7 +40,7 @@ class KVEventSubscriber:
         index: PrefixIndex,
         endpoints: Callable[[Iterable[str]], dict[str, Endpoints]],
         replicas: Callable[[], Iterable[str]],
-        block_size: Callable[[], int],
+        block_size: Callable[[str], int],
         *,
         topic: str = "",
         timeout_s: float = 10.0,
@@ -50,6 +50,7 @@ class KVEventSubscriber:
         metrics: Any = None,
         leases: StreamLeases | None = None,
         settle_s: float | None = None,
+        namespace: Callable[[str], str | None] | None = None,
     ) -> None:
         self.inner = index
         # Fleet mode: a stream this gateway does not own is applied to its local index only
@@ -70,7 +71,9 @@ class KVEventSubscriber:
         self._changed = asyncio.Event()
         self._pending: set[asyncio.Task[Any]] = set()
         self._unhealthy: set[str] = set()  # replicas in a health gap (a restart, maybe)
-        self.applier = Applier(self.handle, block_size, self._count, self.capacity_for)
+        self.applier = Applier(
+            self.handle, block_size, self._count, self.capacity_for, namespace=namespace
+        )
         self.replayer = Replayer(
             lambda: self._ctx,
             self.applier.apply,

@@ -1,0 +1,261 @@
+"""Multi-model fleets over real sockets: one gateway (and two on one Redis) in front of
+simulated replicas of two tokenizer families (Qwen3 with block size 16, Llama 3 with block
+size 32), a LoRA adapter, and a model whose tokenizer the gateway cannot find, started with no
+tokenizer flags: each model's tokenizer comes from the bundled files or this host's Hugging
+Face cache (router/models/)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from loadtest.replica import SimConfig, SimReplica
+from router.admin import SERVED_EXTENSIONS
+from router.app import RunningGateway, start_gateway
+from router.bundled import tokenizer_dir
+from router.config import load_config
+from tests.families import MODELS, family_dir
+from tests.helpers import LONG_SYSTEM, cached_tokens, post, wait_for
+from tests.redis_server import RedisServer
+
+QWEN = "Qwen/Qwen3-0.6B"
+LLAMA = MODELS["llama3"]
+MYSTERY = "org/mystery-7b"  # served with Qwen's files, which the gateway cannot find for it
+ADAPTER = "sql-lora"
+BLOCK = {QWEN: 16, LLAMA: 32, MYSTERY: 16}
+
+
+def hf_cache(root: Path, repo: str, files: Path) -> Path:
+    """A Hugging Face hub cache holding ``repo``'s tokenizer files, laid out as
+    huggingface_hub lays it out (what a `huggingface-cli download` leaves)."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / "5f0b02c75b57c5855da9ae460ce51323ea669d8a"
+    snap.mkdir(parents=True)
+    for f in files.iterdir():
+        if f.is_file():
+            (snap / f.name).symlink_to(f.resolve())
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(snap.name)
+    return root
+
+
+@dataclass
+class Fleet:
+    replicas: dict[str, list[SimReplica]] = field(default_factory=dict)  # model -> replicas
+
+    def urls(self, model: str | None = None) -> set[str]:
+        models = [model] if model else list(self.replicas)
+        return {r.url for m in models for r in self.replicas[m]}
+
+    def all(self) -> list[SimReplica]:
+        return [r for rs in self.replicas.values() for r in rs]
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
+    llama_dir = family_dir("llama3")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hf_cache(tmp_path / "hub", LLAMA, llama_dir)))
+    monkeypatch.delenv("HF_HOME", raising=False)
+    configs = {
+        QWEN: [SimConfig(model=QWEN, lora_adapters=[ADAPTER]), SimConfig(model=QWEN)],
+        LLAMA: [SimConfig(model=LLAMA, tokenizer=str(llama_dir), block_size=32)] * 2,
+        MYSTERY: [SimConfig(model=MYSTERY, tokenizer=str(tokenizer_dir()))],
+    }
+    fleet = Fleet()
+    try:
+        for model, cfgs in configs.items():
+            for cfg in cfgs:
+                r = SimReplica(cfg)
+                await r.start()
+                fleet.replicas.setdefault(model, []).append(r)
+        yield fleet
+    finally:
+        for r in fleet.all():
+            await r.stop()
+
+
+async def gateway(urls: set[str], **overrides: Any) -> RunningGateway:
+    overrides.setdefault("health_interval_s", 0.2)
+    overrides.setdefault("metrics_interval_s", 0.2)
+    config = load_config(None, env={}, replicas=sorted(urls), **overrides)
+    # No tokenizer, no renderer handed in: the registry finds each model's.
+    return await start_gateway(config, port=0, extensions=SERVED_EXTENSIONS)
+
+
+def body(model: str, user: str, system: str = LONG_SYSTEM) -> dict[str, Any]:
+    return {
+        "model": model,
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+
+
+async def send(
+    s: aiohttp.ClientSession, gw: RunningGateway, b: dict[str, Any]
+) -> tuple[str, int, int]:
+    """(replica, predicted cached tokens, reported cached tokens) of one request."""
+    status, headers, answer = await post(s, gw.url + "/v1/chat/completions", b)
+    assert status == 200, answer
+    entry = gw.gateway.models.resolve(b["model"])
+    assert entry is not None
+    predicted = int(headers["x-prefix-router-cached-blocks"]) * entry.entry.block_size
+    return headers["x-prefix-router-replica"], predicted, cached_tokens(answer)
+
+
+async def conversation_rounds(
+    s: aiohttp.ClientSession, gws: list[RunningGateway], model: str, fleet: Fleet
+) -> list[tuple[int, int]]:
+    """Shared system prompts and repeated questions, through the gateways in turn: every
+    request reaches one of the model's own replicas; returns (predicted, reported) pairs."""
+    pairs = []
+    for i in range(6):
+        system = f"Team {i % 2} of {model}. " + LONG_SYSTEM
+        for user in (f"question {i}", f"question {i}", f"another question {i}"):
+            gw = gws[len(pairs) % len(gws)]
+            replica, predicted, reported = await send(s, gw, body(model, user, system))
+            assert replica in fleet.urls(model), (model, replica)
+            pairs.append((predicted, reported))
+    return pairs
+
+
+async def test_two_families_one_gateway(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_router")
+    gw = await gateway(fleet.urls(), model_aliases={"claude-3-5-haiku-latest": LLAMA})
+    try:
+        models = gw.gateway.models.entries
+        assert models[QWEN].tokenizer_origin == "bundled" and models[QWEN].block_size == 16
+        assert models[LLAMA].tokenizer_origin == "hf_cache" and models[LLAMA].block_size == 32
+        assert models[MYSTERY].basis == "text_prefix"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert MYSTERY in warnings[0] and "models:" in warnings[0]  # how to give its tokenizer
+        async with aiohttp.ClientSession() as s:
+            for model in (QWEN, LLAMA):
+                pairs = await conversation_rounds(s, [gw], model, fleet)
+                assert all(p == r for p, r in pairs), (model, pairs)
+                assert sum(1 for p, _ in pairs if p > 0) >= 12  # most requests hit
+            # The adapter: only the replica that has it; its own chains (the base model's
+            # prompt does not count for it), then predicted exactly.
+            holder = fleet.replicas[QWEN][0].url
+            b = body(ADAPTER, "question 0", f"Team 0 of {QWEN}. " + LONG_SYSTEM)
+            assert await send(s, gw, b) == (holder, 0, 0)
+            replica, predicted, reported = await send(s, gw, b)
+            assert replica == holder and predicted == reported > 0
+            # An alias reaches the served model (the replica knows no alias: it would 404).
+            replica, _, _ = await send(
+                s, gw, {**body(LLAMA, "hi"), "model": "claude-3-5-haiku-latest"}
+            )
+            assert replica in fleet.urls(LLAMA)
+            # The model without a tokenizer: routed by its text prefix, labelled so.
+            b = body(MYSTERY, "what now?")
+            for _ in range(2):
+                replica, _, _ = await send(s, gw, b)
+                assert replica in fleet.urls(MYSTERY)
+            status, _, explained = await post(s, gw.url + "/v1/route/explain", b)
+            assert status == 200 and explained["model_match"]["basis"] == "text_prefix"
+            assert explained["model_match"]["missing_tokenizer"]
+            status, _, explained = await post(s, gw.url + "/v1/route/explain", body(LLAMA, "x"))
+            assert explained["model_match"]["tokenizer_origin"] == "hf_cache"
+            assert explained["block_size"] == 32
+            async with s.get(gw.url + "/ready") as r:
+                ready = await r.json()
+            assert ready["models"][MYSTERY]["basis"] == "text_prefix"
+            assert ready["models"][LLAMA]["block_size"] == 32
+            async with s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+        assert (
+            f'prefix_router_model_requests_total{{basis="text_prefix",model="{MYSTERY}"}} 2.0'
+            in text
+        )
+        assert f'prefix_router_model_requests_total{{basis="tokens",model="{LLAMA}"}}' in text
+        # Each replica saw only its model's requests.
+        for model, replicas in fleet.replicas.items():
+            for r in replicas:
+                seen = {rec["model"] for rec in r.stats["records"]}
+                assert seen <= {model, ADAPTER}, (model, seen)
+    finally:
+        await gw.stop()
+
+
+async def test_fleet_mode_two_gateways_per_model(fleet: Fleet, redis_server: RedisServer) -> None:
+    gws = [
+        await gateway(fleet.urls(), redis_url=redis_server.url, sync_interval_s=0.1)
+        for _ in range(2)
+    ]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for model in (QWEN, LLAMA):
+                # A prefix placed through one gateway is predicted by the other, exactly.
+                b = body(model, "shared question", f"Fleet prompt of {model}. " + LONG_SYSTEM)
+                first, _, _ = await send(s, gws[0], b)
+                rr = await gws[1].gateway.prepare(json.dumps(b).encode(), {}, "chat", "t")
+
+                async def shared(rr: Any = rr, first: str = first) -> bool:
+                    urls = [first]
+                    return (await gws[1].gateway.index.match(rr.block_hashes, urls)).get(
+                        first, 0
+                    ) > 0
+
+                await wait_for(shared, what=f"{model}'s blocks in the shared index")
+                replica, predicted, reported = await send(s, gws[1], b)
+                assert replica == first and predicted == reported > 0
+                pairs = await conversation_rounds(s, gws, model, fleet)
+                assert sum(1 for p, _ in pairs if p > 0) >= 12
+                assert all(p <= r for p, r in pairs), (model, pairs)
+    finally:
+        for gw in gws:
+            await gw.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("how", ["flag", "models"])
+async def test_a_contradicted_block_size_is_refused(tmp_path: Path, how: str) -> None:
+    replica = SimReplica(SimConfig(block_size=16))
+    await replica.start()
+    try:
+        args = ["serve", "--replica", replica.url, "--port", str(free_port())]
+        if how == "flag":
+            args += ["--block-size", "32"]
+        else:
+            cfg = tmp_path / "router.yaml"
+            cfg.write_text(f"models:\n  {QWEN}:\n    block_size: 32\n")
+            args += ["--config", str(cfg)]
+        # The replica answers on this loop: the gateway runs beside it, as a user runs it.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "router.cli",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            _, raw = await asyncio.wait_for(proc.communicate(), 120)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        await replica.stop()
+    err = raw.decode()
+    assert proc.returncode not in (0, None), err
+    refusal = [line for line in err.splitlines() if "contradicts" in line]
+    assert len(refusal) == 1 and "report block size 16" in refusal[0], err
+    assert "Traceback" not in err
