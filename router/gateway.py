@@ -581,7 +581,7 @@ class Gateway:
         route = self.route_of(body.get("model"))
         model, lora, entry = route.model, route.lora, route.entry
         if self.fleet is not None:
-            self.serving(model, entry=entry)
+            self.serving(model, entry=entry, lora=lora)
         if route.alias_of is not None:  # the replicas know the served name only
             body = dict(body)
             body["model"] = model

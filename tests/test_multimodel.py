@@ -259,3 +259,66 @@ async def test_a_contradicted_block_size_is_refused(tmp_path: Path, how: str) ->
     refusal = [line for line in err.splitlines() if "contradicts" in line]
     assert len(refusal) == 1 and "report block size 16" in refusal[0], err
     assert "Traceback" not in err
+
+
+async def test_an_adapter_no_replica_has_is_loaded_at_run_time(tmp_path: Path) -> None:
+    replicas = [SimReplica(SimConfig(allow_runtime_lora=True)) for _ in range(2)]
+    for r in replicas:
+        await r.start()
+    gw = await gateway(
+        {r.url for r in replicas},
+        models={QWEN: {"adapters": {"new-lora": "/adapters/new-lora"}}},
+        lora_runtime_loading=True,
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            b = body("new-lora", "hello adapter")
+            status, _, explained = await post(s, gw.url + "/v1/route/explain", b)
+            assert status == 200 and explained["adapter_load"]["adapter"] == "new-lora"
+            assert all(r.stats.get("adapters_loaded", 0) == 0 for r in replicas)  # explain: no
+            first, _, _ = await send(s, gw, b)
+            loaded = [r for r in replicas if "new-lora" in r.config.lora_adapters]
+            assert [r.url for r in loaded] == [first]  # loaded where the request went, once
+            replica, predicted, reported = await send(s, gw, b)
+            assert replica == first and predicted == reported > 0
+            assert loaded[0].stats["adapters_loaded"] == 1
+            async with s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+        assert 'prefix_router_lora_adapter_loads_total{adapter="new-lora",' in text
+        assert 'outcome="ok"} 1.0' in text
+    finally:
+        await gw.stop()
+        for r in replicas:
+            await r.stop()
+
+
+async def test_drift_is_reported_when_the_replicas_render_otherwise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway is told a chat template the replicas do not use (a long constant head):
+    it predicts a shared prefix the replicas never report, and says so."""
+    template = tmp_path / "wrong.jinja"
+    template.write_text(
+        "{{ 'This is not the template the replicas use. ' * 30 }}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    replica = SimReplica(SimConfig())
+    await replica.start()
+    gw = await gateway({replica.url}, models={QWEN: {"chat_template": str(template)}})
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i in range(25):
+                await send(s, gw, body(QWEN, f"question {i}", system=f"system {i}"))
+            async with s.get(gw.url + "/ready") as r:
+                ready = await r.json()
+            status, _, explained = await post(s, gw.url + "/v1/route/explain", body(QWEN, "x"))
+            async with s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+        assert ready["models"][QWEN]["drifting"] is True
+        assert explained["model_match"]["drift"]["drifting"] is True
+        assert f'prefix_router_model_drifting{{model="{QWEN}"}} 1.0' in text
+        lines = [r.getMessage() for r in caplog.records if "predictions run above" in r.getMessage()]
+        assert len(lines) == 1 and QWEN in lines[0]
+    finally:
+        await gw.stop()
+        await replica.stop()

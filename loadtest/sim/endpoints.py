@@ -111,7 +111,7 @@ class Endpoints:
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's runtime LoRA loading (with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter
         is served from now on, under its own block chains."""
-        body = await read_json(request)
+        body, _ = await read_json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
@@ -121,7 +121,7 @@ class Endpoints:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
+        body, _ = await read_json(request)
         name = body.get("lora_name")
         if name not in self.r.config.lora_adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")

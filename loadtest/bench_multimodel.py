@@ -1,0 +1,170 @@
+"""Two models behind one gateway: per model, the fleet hit rate against the ideal.
+
+    python -m loadtest.bench_multimodel                      # ~1 minute
+    python -m loadtest.bench_multimodel --conversations 60 --max-seconds 90
+
+Starts in this process simulated replicas of two tokenizer families -- Qwen3 (the bundled
+tokenizer, block size 16) and Llama 3 (block size 32; the test tokenizer fetched by
+tools/fetch_test_tokenizers.py, or ``--llama-tokenizer DIR``) -- and one gateway with no
+tokenizer flags: it finds Qwen3's tokenizer bundled and Llama 3's in a Hugging Face cache laid
+out in a temporary directory (HF_HUB_CACHE), as on a host where the model was downloaded. Each
+model gets its own multi-tenant chat workload (``loadtest.workloads.multi_tenant``), both run at
+once. Prints per model: requests, the fleet hit rate (its replicas' own counters), the ideal
+hit rate (one unlimited cache over the same token ids, with that model's tokenizer and block
+size), their ratio, and the gateway's predicted vs reported cached tokens for the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+
+from loadtest import workloads
+from loadtest.metrics_scrape import parse_prometheus
+from loadtest.runner import GatewayTarget, RunResult, run_workload
+from loadtest.sim.config import SimConfig
+from loadtest.sim.server import SimReplica
+from loadtest.sim.tokens import get_renderer
+from router.app import start_gateway
+from router.bundled import tokenizer_dir
+from router.config import load_config
+
+QWEN = "Qwen/Qwen3-0.6B"
+LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def default_llama_dir() -> Path:
+    root = os.environ.get("PREFIX_ROUTER_TEST_TOKENIZERS")
+    base = Path(root) if root else Path.home() / ".cache" / "prefix-router" / "test-tokenizers"
+    return base / "llama3"
+
+
+def hf_cache(root: Path, repo: str, files: Path) -> Path:
+    """``repo``'s tokenizer files in a hub cache laid out as huggingface_hub lays it out."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / "0000000000000000000000000000000000000000"
+    snap.mkdir(parents=True)
+    for f in files.iterdir():
+        if f.is_file():
+            (snap / f.name).symlink_to(f.resolve())
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(snap.name)
+    return root
+
+
+async def run(a: argparse.Namespace) -> int:
+    llama_dir = Path(a.llama_tokenizer or default_llama_dir())
+    if not (llama_dir / "tokenizer.json").is_file():
+        print(f"no Llama 3 tokenizer at {llama_dir}: python tools/fetch_test_tokenizers.py")
+        return 2
+    plan = {
+        QWEN: (str(tokenizer_dir()), 16),
+        LLAMA: (str(llama_dir), 32),
+    }
+    replicas: dict[str, list[SimReplica]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["HF_HUB_CACHE"] = str(hf_cache(Path(tmp), LLAMA, llama_dir))
+        try:
+            for model, (tok, bs) in plan.items():
+                for _ in range(a.replicas):
+                    cfg = SimConfig(
+                        model=model, tokenizer=tok, block_size=bs, num_gpu_blocks=a.num_gpu_blocks
+                    )
+                    r = SimReplica(cfg)
+                    await r.start()
+                    replicas.setdefault(model, []).append(r)
+            urls = sorted(r.url for rs in replicas.values() for r in rs)
+            # No tokenizer flags; --wrong-tokenizer: Llama hashed with Qwen's (the old bug).
+            models = {LLAMA: {"tokenizer": plan[QWEN][0]}} if a.wrong_tokenizer else {}
+            config = load_config(None, env={}, replicas=urls, models=models)
+            gw = await start_gateway(config, port=0)
+            try:
+                jobs = []
+                for i, model in enumerate(plan):
+                    wl = workloads.multi_tenant(
+                        seed=a.seed + i,
+                        conversations=a.conversations,
+                        rate=a.rate,
+                        model=model,
+                    )
+                    jobs.append(
+                        run_workload(
+                            GatewayTarget(gw.url, [r.url for r in replicas[model]]),
+                            wl,
+                            concurrency=a.concurrency,
+                            max_seconds=a.max_seconds,
+                            renderer=get_renderer(plan[model][0]),
+                            block_size=plan[model][1],
+                            label=model,
+                            progress=False,
+                        )
+                    )
+                results: list[RunResult] = await asyncio.gather(*jobs)
+                async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as resp:
+                    metrics = parse_prometheus(await resp.text())
+                drifting = [n for n, e in gw.gateway.models.entries.items() if e.drift.flagged]
+            finally:
+                await gw.stop()
+        finally:
+            for rs in replicas.values():
+                for r in rs:
+                    await r.stop()
+    print(
+        "| model | block size | requests ok | fleet hit rate | ideal | fleet / ideal | "
+        "predicted / reported cached tokens |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for model, res in zip(plan, results, strict=True):
+        pred = _sample(metrics, "prefix_router_model_predicted_cached_tokens_total", model)
+        rep = _sample(metrics, "prefix_router_model_reported_cached_tokens_total", model)
+        f, i = res.fleet_hit_rate, res.ideal_hit_rate
+        ratio = f / i if f is not None and i else None
+        print(
+            f"| {model} | {plan[model][1]} | {res.ok}/{res.sent} | {_pct(f)} | {_pct(i)} | "
+            f"{ratio:.3f} | {pred:,.0f} / {rep:,.0f} |"
+            if ratio is not None
+            else f"| {model} | {plan[model][1]} | {res.ok}/{res.sent} | {_pct(f)} | {_pct(i)} | - | "
+            f"{pred:,.0f} / {rep:,.0f} |"
+        )
+        for w in res.warnings:
+            print(f"  warning ({model}): {w}", file=sys.stderr)
+    print(f"drift watch flagged: {', '.join(drifting) or 'none'}")
+    return 0
+
+
+def _sample(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, model: str) -> float:
+    return sum(v for labels, v in metrics.get(name, []) if labels.get("model") == model)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2, help="replicas per model")
+    p.add_argument("--conversations", type=int, default=40, help="per model")
+    p.add_argument("--rate", type=float, default=2.0, help="conversations per second, per model")
+    p.add_argument("--concurrency", type=int, default=16, help="per model")
+    p.add_argument("--max-seconds", type=float, default=60.0)
+    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-tokenizer", default=None)
+    p.add_argument(
+        "--wrong-tokenizer",
+        action="store_true",
+        help="configure Qwen3's tokenizer for the Llama model (what a single-tokenizer gateway "
+        "does): its predictions, the drift watch and its hit rate then show the cost",
+    )
+    a = p.parse_args(argv)
+    return asyncio.run(run(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
