@@ -205,7 +205,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "client:random); the first is compared with the last. Both defaults run through the "
         "gateway, so both pay the same proxy hop",
     )
+    p.add_argument(
+        "--two-models",
+        metavar="LLAMA_TOKENIZER_DIR",
+        default=None,
+        help="instead: two models side by side behind one gateway started with no tokenizer "
+        "flags (Qwen3 at block size 16, Llama 3 with the tokenizer in this directory at 32; "
+        "python tools/fetch_test_tokenizers.py fetches one), per model the fleet hit rate "
+        "against the ideal (loadtest/bench_multimodel.py)",
+    )
     a = p.parse_args(argv)
+    if a.two_models is not None:
+        from loadtest import bench_multimodel
+
+        return bench_multimodel.main(
+            [
+                "--llama-tokenizer",
+                a.two_models,
+                "--conversations",
+                str(min(a.conversations, 40)),
+                "--max-seconds",
+                str(a.max_seconds),
+                "--seed",
+                str(a.seed),
+            ]
+        )
     return run("prefix-router demo", lambda: _main(a))
 
 

@@ -327,7 +327,12 @@ class Handlers:
         raw = await self.read_body(request, tenant=tenant)
         # The same bounded shapes as generation bodies: the replica renders and tokenizes
         # these messages too (deep nesting, lone surrogates, 100k messages are a 400 here).
-        check_body(parse_json_object(raw), self.gw.limits)
+        parsed = parse_json_object(raw)
+        check_body(parsed, self.gw.limits)
+        model = parsed.get("model")
+        if isinstance(model, str) and self.gw.models.alias(model) != model:
+            model = self.gw.models.alias(model)  # the replicas know the served name only
+            raw = json.dumps({**parsed, "model": model}).encode()
         headers = request_headers(
             request.headers,
             request[REQUEST_ID],
@@ -337,7 +342,12 @@ class Handlers:
         )
         tried: set[str] = set()
         for _ in range(self.gw.config.max_retries + 1):
-            replicas = [r for r in self.gw.fleet.healthy() if r.url not in tried]
+            # The model's replicas (another model's would answer 404); any without one.
+            replicas = (
+                self.gw.serving(model, frozenset(tried))
+                if isinstance(model, str) and model
+                else [r for r in self.gw.fleet.healthy() if r.url not in tried]
+            )
             if not replicas:
                 break
             replica = min(replicas, key=lambda r: (r.inflight, r.url))

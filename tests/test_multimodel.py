@@ -157,6 +157,11 @@ async def test_two_families_one_gateway(fleet: Fleet, caplog: pytest.LogCaptureF
                 s, gw, {**body(LLAMA, "hi"), "model": "claude-3-5-haiku-latest"}
             )
             assert replica in fleet.urls(LLAMA)
+            # /tokenize reaches the body's model's replicas (another model's would 404).
+            for _ in range(4):
+                tb = {"model": "claude-3-5-haiku-latest", "prompt": "Hello"}
+                status, _, tokens = await post(s, gw.url + "/tokenize", tb)
+                assert status == 200 and tokens["tokens"][0] == 128000  # Llama 3's BOS
             # The model without a tokenizer: routed by its text prefix, labelled so.
             b = body(MYSTERY, "what now?")
             for _ in range(2):
@@ -317,8 +322,34 @@ async def test_drift_is_reported_when_the_replicas_render_otherwise(
         assert ready["models"][QWEN]["drifting"] is True
         assert explained["model_match"]["drift"]["drifting"] is True
         assert f'prefix_router_model_drifting{{model="{QWEN}"}} 1.0' in text
-        lines = [r.getMessage() for r in caplog.records if "predictions run above" in r.getMessage()]
+        lines = [
+            r.getMessage() for r in caplog.records if "predictions run above" in r.getMessage()
+        ]
         assert len(lines) == 1 and QWEN in lines[0]
     finally:
         await gw.stop()
         await replica.stop()
+
+
+async def test_replicas_of_one_model_that_disagree_are_kept_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_router")
+    replicas = [SimReplica(SimConfig(block_size=bs)) for bs in (16, 16, 32)]
+    for r in replicas:
+        await r.start()
+    gw = await gateway({r.url for r in replicas})
+    try:
+        odd = replicas[2].url
+        lines = [m for m in (r.getMessage() for r in caplog.records) if "disagree" in m]
+        assert len(lines) == 1 and odd in lines[0] and "block size 32" in lines[0]
+        entry = gw.gateway.models.entries[QWEN]
+        assert entry.block_size == 16 and entry.apart == (odd,)
+        async with aiohttp.ClientSession() as s:
+            for i in range(8):
+                replica, predicted, reported = await send(s, gw, body(QWEN, f"q{i % 2}"))
+                assert replica != odd and predicted == reported
+    finally:
+        await gw.stop()
+        for r in replicas:
+            await r.stop()

@@ -69,6 +69,10 @@ async def forward_post(
     assert gateway.fleet is not None
     raw, content_type = await _read(handlers, request, tenant)
     model = _model_of(raw, content_type.lower())
+    if model is not None and gateway.models.alias(model) != model:
+        # An alias (router/models/): the replicas know the served name only.
+        model = gateway.models.alias(model)
+        raw = json.dumps({**json.loads(raw), "model": model}).encode()
     headers = request_headers(
         request.headers,
         request_id,

@@ -174,7 +174,7 @@ class ModelRegistry:
                 new.append(name)
             spec = self.specs.get(name)
             g = blocksize.group(name, bases[name])
-            if g.warning and self._once(f"groups:{g.warning}"):
+            if g.warning and self._once(f"groups:{name}:{g.apart}"):
                 log.warning("%s", g.warning)
             sizes = {u: bases[name][u][1] for u in g.primary}
             apart = set(g.apart)
