@@ -195,7 +195,11 @@ async def test_two_families_one_gateway(fleet: Fleet, caplog: pytest.LogCaptureF
 
 async def test_fleet_mode_two_gateways_per_model(fleet: Fleet, redis_server: RedisServer) -> None:
     gws = [
-        await gateway(fleet.urls(), redis_url=redis_server.url, sync_interval_s=0.1)
+        # A generous Redis timeout: a lookup that times out on a busy machine is answered
+        # from the gateway's local view (by design), which has not seen the other's placement.
+        await gateway(
+            fleet.urls(), redis_url=redis_server.url, sync_interval_s=0.1, redis_timeout_ms=5000.0
+        )
         for _ in range(2)
     ]
     try:
