@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
@@ -91,7 +92,10 @@ class JsonCheck:
         if self._pool is None:
             # spawn: a fork of this threaded, event-loop-running process is not safe.
             ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+            # Niced: on a small host its seconds of parsing yield the CPU to the event loop.
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=ctx, initializer=os.nice, initargs=(10,)
+            )
         return self._pool
 
     def close(self) -> None:
