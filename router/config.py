@@ -304,6 +304,51 @@ class Config:
     public_prefixes: dict[str, Any] = _opt(
         {}, "named public prefixes (config file only)", flag=False
     )
+    # -- flow control (router/flow/)
+    flow_control: bool = _opt(
+        False,
+        "while a model's replicas are saturated, queue requests in the gateway and release "
+        "them in weighted fair order per tenant (weights, bands, rate limits in the tenancy "
+        "table; docs/flow-control.md)",
+    )
+    flow_prefill_per_replica: float = _opt(
+        1.0,
+        "requests in prefill (sent, no first byte yet) each replica may have before requests "
+        "wait in the gateway: vLLM's own queue cannot be reordered",
+    )
+    flow_waiting_max: int = _opt(
+        4, "a replica reporting this many vllm:num_requests_waiting takes no released request"
+    )
+    flow_kv_usage_max: float = _opt(
+        0.95, "a replica at this vllm:kv_cache_usage_perc takes no released request"
+    )
+    flow_ttft_max_s: float = _opt(
+        0.0,
+        "a replica whose observed time to first byte (mostly cached requests) is over this "
+        "takes no released request (0: not used)",
+    )
+    flow_max_queue_per_tenant: int = _opt(
+        256, "requests of one tenant waiting at most; beyond it a 429 (tenants.<t>.max_queue)"
+    )
+    flow_max_queue: int = _opt(
+        4096,
+        "requests waiting in all at most; beyond it the newest of the lowest band is shed "
+        "(429) for a higher band's, or the newcomer is",
+    )
+    flow_queue_timeout_s: float = _opt(
+        30.0,
+        "longest wait in the queue; beyond it a 429 with Retry-After (tenants.<t>.queue_timeout_s)",
+    )
+    flow_decode_token_cost: float = _opt(
+        1.0,
+        "prefill tokens one expected output token costs in a request's fair-queuing cost "
+        "(uncached prompt tokens + this x max_tokens)",
+    )
+    flow_history_tokens: float = _opt(
+        200_000.0,
+        "how much of a tenant's past work (tokens per unit weight) may hold it back when a "
+        "queue forms, e.g. work other gateways report",
+    )
     # -- admin
     admin_key: str | None = _opt(
         None, "key for admin endpoints (/admin/*, /v1/route/explain)", secret=True
@@ -434,6 +479,16 @@ class Config:
                 f"redis_url must start with redis://, rediss:// or unix://, got "
                 f"{mask_url_credentials(self.redis_url)!r} (e.g. redis://127.0.0.1:6379/0)"
             )
+        if self.flow_prefill_per_replica <= 0 or self.flow_queue_timeout_s <= 0:
+            problems.append("flow_prefill_per_replica and flow_queue_timeout_s must be positive")
+        if min(self.flow_max_queue, self.flow_max_queue_per_tenant, self.flow_waiting_max) < 1:
+            problems.append(
+                "flow_max_queue, flow_max_queue_per_tenant and flow_waiting_max must be >= 1"
+            )
+        if not 0 < self.flow_kv_usage_max <= 1 or self.flow_ttft_max_s < 0:
+            problems.append("flow_kv_usage_max must be in (0, 1] and flow_ttft_max_s >= 0")
+        if self.flow_decode_token_cost < 0 or self.flow_history_tokens < 0:
+            problems.append("flow_decode_token_cost and flow_history_tokens must be >= 0")
         try:
             check_config(self)
         except ScheduleError as e:

@@ -36,11 +36,13 @@ class APIError(Exception):
         code: str | None = None,
         type_: str | None = None,
         close_connection: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         # Answer, then close: for a request whose body was not (fully) read, so the rest of
         # it is neither read nor waited for.
         self.close_connection = close_connection
+        self.headers = headers or {}  # sent with the error (e.g. Retry-After on a 429)
         self.status = status
         self.message = message
         self.param = param
@@ -64,7 +66,7 @@ class APIError(Exception):
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
-            headers=headers,
+            headers={**self.headers, **(headers or {})},
         )
         if self.close_connection:
             resp.force_close()

@@ -32,6 +32,9 @@ from router.discovery import DnsDiscovery
 from router.errors import APIError
 from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
+from router.flow.controller import FlowConfig, FlowController, FlowRequest, Ticket
+from router.flow.sessions import ResponseChains, session_of
+from router.flow.shared import UsageShare
 from router.forward import Outcome, UpstreamUnavailable, header_allow_list
 from router.index import MemoryIndex, PrefixIndex
 from router.json_check import JsonCheck
@@ -158,6 +161,12 @@ class Gateway:
         self.announced_ready = False
         self.fleet_listeners: list[Callable[[Replica, str], Awaitable[None]]] = []
         self._models_ready = False  # start-up loaded the registry's tokenizers
+        # Flow control (router/flow/): fair queuing per tenant while the replicas are full.
+        self.flow = FlowController(
+            FlowConfig.from_config(config), self._flow_replicas, self.metrics.registry
+        )
+        self.flow_share: UsageShare | None = None  # fleet mode: per-tenant usage in Redis
+        self.response_chains = ResponseChains()  # Responses chains as one session each
 
     def _json_checked(self, outcome: str) -> None:
         if outcome == "busy":
@@ -224,6 +233,16 @@ class Gateway:
             )
             self.index = self.kv_events.index  # the events' index over the gateway's
             self.observers.append(SettleOnOutcome(self.kv_events.settle, self.kv_events.reject))
+        await self.flow.start()
+        if self.fleet_mode is not None and self.flow.config.enabled:
+            fleet_mode = self.fleet_mode
+            self.flow_share = UsageShare(
+                self.flow,
+                lambda: fleet_mode.redis,
+                self.config.redis_prefix,
+                self.config.sync_interval_s,
+            )
+            await self.flow_share.start()
         for r in self.fleet.replicas.values():
             await self._apply_capacity(r)
 
@@ -363,6 +382,9 @@ class Gateway:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self.discovery is not None:
             await self.discovery.stop()
+        await self.flow.stop()
+        if self.flow_share is not None:
+            await self.flow_share.stop()
         if self.fleet_mode is not None:
             await self.fleet_mode.stop()
         if self.fleet:
@@ -677,6 +699,39 @@ class Gateway:
                 code="model_not_found",
             )
         return replicas
+
+    def _flow_replicas(self, model: str) -> list[Replica]:
+        return self.fleet.serving(model) if self.fleet is not None else []
+
+    def flow_request(self, rr: RoutedRequest, headers: Mapping[str, str]) -> FlowRequest:
+        """What flow control reads of a prepared request: its tenant's weight and band from
+        the tenancy table, its session where the client names one."""
+        return FlowRequest(
+            model=rr.model,
+            tenant=rr.tenant,
+            session=session_of(rr.endpoint, rr.body, headers, self.response_chains),
+            settings=self.tenancy.policy_of(rr.tenant).flow,
+            prompt_tokens=rr.num_tokens,
+            max_tokens=rr.max_tokens,
+            stream=rr.stream,
+        )
+
+    async def admit(self, rr: RoutedRequest, headers: Mapping[str, str]) -> Ticket:
+        """Flow control's ticket for ``rr`` (at once unless the fleet is saturated), or a
+        429 ``APIError``."""
+        return await self.flow.admit(self.flow_request(rr, headers), lambda: self.uncached(rr))
+
+    async def uncached(self, rr: RoutedRequest) -> int:
+        """Prompt tokens the best-placed replica would prefill: the scheduler's prefix match
+        (the index lookup a decision makes), without a decision."""
+        replicas = self.fleet.serving(rr.model) if self.fleet is not None else []
+        if not replicas or not self.policy.uses_index:
+            return rr.num_tokens
+        matches = await self.index.match(rr.block_hashes, [r.url for r in replicas])
+        held = min(
+            max(matches.values(), default=0), blocks.cacheable_blocks(rr.num_tokens, rr.block_size)
+        )
+        return max(0, rr.num_tokens - held * rr.block_size)
 
     async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +23,7 @@ from router.body import content_coding, decode_body
 from router.budget import peer_key
 from router.errors import APIError
 from router.fleet import Replica
+from router.flow.controller import Ticket
 from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable, proxy, request_headers
 from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
 from router.lazy_tail import tail_of
@@ -196,20 +198,42 @@ class Handlers:
         )
         metrics = self.gw.metrics
         metrics.child(metrics.tenant_requests, rr.tenant).inc()
+        ticket = await self.gw.admit(rr, request.headers)  # waits while the fleet is full
+        try:
+            return await self._forward(request, rr, body, headers, ticket)
+        finally:
+            ticket.done()  # its prefill slot back, however the request ended
+
+    async def _forward(
+        self,
+        request: web.Request,
+        rr: RoutedRequest,
+        body: bytes,
+        headers: Any,
+        ticket: Ticket,
+    ) -> web.StreamResponse:
+        request_id = rr.request_id
+        assert self.gw.fleet is not None
         self.gw.count_prompt(rr)
         tried: set[str] = set()
         while True:
             decision = await self.gw.decide(rr, frozenset(tried))
             replica = self.gw.fleet.replicas[decision.replica]
             self.gw.policy.placed(decision)
-            extra = {"x-request-id": request_id}
+            extra = {"x-request-id": request_id, **ticket.headers}
             if self.gw.config.decision_headers:
                 extra["x-prefix-router-replica"] = replica.url
                 extra["x-prefix-router-cached-blocks"] = str(decision.matched_blocks)
+                if ticket.why:
+                    extra["x-prefix-router-queued-ms"] = f"{ticket.queued_s * 1000:.0f}"
+            ticket.decided(
+                max(0, rr.num_tokens - decision.matched_blocks * rr.block_size),
+                self.gw.flow.expected_output(rr.max_tokens),
+            )
             try:
                 await self.gw.ensure_adapter(rr, replica)  # a LoRA loaded at run time
                 resp, outcome = await self._send(
-                    request, rr, replica, decision, body, headers, extra
+                    request, rr, replica, decision, body, headers, extra, ticket
                 )
             except UpstreamUnavailable as e:
                 tried.add(replica.url)
@@ -238,6 +262,8 @@ class Handlers:
                 first_byte_s=outcome.first_byte_s,
                 completion_tokens=outcome.completion_tokens,
             )
+            if rr.endpoint == "responses" and ticket.session:
+                self.gw.response_chains.learn(outcome.head, ticket.session)
             # After the response is written (the next loop turn, before any new request).
             asyncio.get_running_loop().call_soon(self.gw.learn, rr, decision, outcome)
             return resp
@@ -251,6 +277,7 @@ class Handlers:
         body: bytes,
         headers: Any,
         extra: dict[str, str],
+        ticket: Ticket,
     ) -> tuple[web.StreamResponse, Outcome]:
         """Forward with load accounting: in flight until done, pending prefill until the
         first byte. Every counter raised here is lowered on every way out (the ``finally``
@@ -264,6 +291,7 @@ class Handlers:
         uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
         gauge = self.gw.metrics.child(self.gw.metrics.inflight, replica.url)
         pending = True
+        sent_at = time.perf_counter()
 
         def first_byte() -> None:
             nonlocal pending
@@ -271,6 +299,9 @@ class Handlers:
                 pending = False
                 replica.pending_requests -= 1
                 replica.pending_prefill_tokens -= uncached
+                if rr.stream:
+                    ticket.observed(uncached, time.perf_counter() - sent_at)
+                ticket.first_byte()  # flow control: the replica's prefill slot is free
 
         def exact_count(full: RoutedRequest) -> None:
             """A lazy head counted its tail's estimate: the exact count, once known."""
@@ -285,6 +316,7 @@ class Handlers:
         replica.pending_prefill_tokens += uncached
         gauge.inc()
         try:
+            ticket.sent(uncached, rr.stream)  # flow control: when its prefill slot frees
             if (tail := tail_of(rr)) is not None and tail.full is None:
                 tail.on_full.append(exact_count)
             return await proxy(

@@ -42,6 +42,7 @@ import yaml
 
 from router.config import Config, ConfigError
 from router.errors import APIError, bad_request
+from router.flow.settings import FlowSettings, parse_flow
 from router.salt import validate_cache_salt
 
 log = logging.getLogger("prefix_router.tenancy")
@@ -69,6 +70,7 @@ class TenantPolicy:
     name: str
     salt_policy: str
     public_prefixes: tuple[str, ...] = ()
+    flow: FlowSettings = FlowSettings()  # weight, band, rate limits (router/flow/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,7 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
             str(name),
             policy,
             tuple(_names(spec.get("public_prefixes"), "public_prefixes", where)),
+            parse_flow(spec, f"{where}: tenant {name!r}"),
         )
         for key in _names(spec.get("keys"), f"tenant {name!r}: keys", where):
             _refuse_placeholder(key, f"tenant {name!r}'s API key", where, "give it a real key")

@@ -37,7 +37,7 @@ def error_response(e: APIError, headers: dict[str, str] | None = None) -> web.Re
     """``e`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
     kind = _ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     body = {"type": "error", "error": {"type": kind, "message": e.message}}
-    resp = web.json_response(body, status=e.status, headers=headers)
+    resp = web.json_response(body, status=e.status, headers={**e.headers, **(headers or {})})
     if e.close_connection:
         resp.force_close()
     return resp

@@ -1,0 +1,496 @@
+"""Flow control: while a model's replicas are saturated, requests wait in the gateway, one
+flow per tenant (and per session inside it), and leave in weighted fair order, only as fast as
+the replicas can start them.
+
+    admit(request) -> Ticket            (passes at once while the fleet has room)
+      saturated: queued in FairQueue    (band, tenant weight, session; cost = uncached
+                                         prefill tokens + expected decode)
+      released by pump()                (a prefill slot frees: a first byte, a failure)
+      or shed with a 429                (per-tenant bound, overflow lowest band first,
+                                         queue-time deadline, rate limits)
+    ticket.first_byte() / ticket.done() (the slot is free again)
+
+Nothing here decides where a request goes: a released request is routed by the scheduler
+as any other, so prefix affinity is kept. A client that leaves while queued is taken out of
+the queue at once (its waiting task is cancelled), and every counter is given back in a
+``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.errors import APIError
+from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
+from router.flow.ratelimit import RateLimiter
+from router.flow.saturation import Capacity, ReplicaView, Thresholds, capacity
+from router.flow.settings import FlowSettings
+from router.tasks import cancel_and_wait
+
+log = logging.getLogger("prefix_router.flow")
+
+_WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowConfig:
+    enabled: bool = False
+    thresholds: Thresholds = Thresholds()
+    max_queue_per_tenant: int = 256
+    max_queue: int = 4096
+    queue_timeout_s: float = 30.0
+    decode_token_cost: float = 1.0  # prefill tokens one expected output token costs
+    default_output_tokens: int = 256  # expected output when the request gives no max_tokens
+    history_tokens: float = 200_000.0  # how far past usage may hold a tenant back (per weight)
+    tick_s: float = 0.05  # re-check the replicas' signals this often while requests wait
+
+    @classmethod
+    def from_config(cls, config: Any) -> FlowConfig:
+        return cls(
+            enabled=config.flow_control,
+            thresholds=Thresholds(
+                prefill_per_replica=config.flow_prefill_per_replica,
+                waiting_max=config.flow_waiting_max,
+                kv_usage_max=config.flow_kv_usage_max,
+                ttft_max_s=config.flow_ttft_max_s,
+            ),
+            max_queue_per_tenant=config.flow_max_queue_per_tenant,
+            max_queue=config.flow_max_queue,
+            queue_timeout_s=config.flow_queue_timeout_s,
+            decode_token_cost=config.flow_decode_token_cost,
+            history_tokens=config.flow_history_tokens,
+        )
+
+
+@dataclass(slots=True)
+class FlowRequest:
+    """What flow control needs of a request."""
+
+    model: str
+    tenant: str
+    session: str
+    settings: FlowSettings
+    prompt_tokens: int
+    max_tokens: int | None
+    stream: bool
+
+
+class FlowMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.depth = Gauge(
+            "prefix_router_flow_queue_depth",
+            "Requests waiting in the gateway's flow-control queue, by band",
+            ["band"],
+            registry=r,
+        )
+        self.wait = Histogram(
+            "prefix_router_flow_queue_wait_seconds",
+            "Time queued requests waited before release, by band",
+            ["band"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.released = Counter(
+            "prefix_router_flow_released",
+            "Requests released to the scheduler, by band and whether they waited",
+            ["band", "waited"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "prefix_router_flow_shed",
+            "Requests refused with a 429 by flow control, by tenant and reason (queue_full, "
+            "overflow, queue_timeout, rate_requests, rate_tokens)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.in_prefill = Gauge(
+            "prefix_router_flow_in_prefill",
+            "Requests this gateway released that have not had their first byte yet",
+            registry=r,
+        )
+        self.saturated = Gauge(
+            "prefix_router_flow_saturated",
+            "1 while some model's replicas have no free prefill slot (requests queue)",
+            registry=r,
+        )
+        self.remote_usage = Counter(
+            "prefix_router_flow_remote_usage_tokens",
+            "Work (tokens) other gateways reported for a tenant through Redis (fleet mode)",
+            ["tenant"],
+            registry=r,
+        )
+
+
+@dataclass(eq=False)
+class _Waiter:
+    future: asyncio.Future[None]
+    ticket: Ticket
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request admitted by flow control: holds one prefill slot of its model from release
+    to its first byte (or its end). ``done`` is idempotent and always called."""
+
+    controller: FlowController | None
+    model: str
+    tenant: str
+    band: str
+    weight: float
+    session: str = ""
+    cost: float = 0.0
+    queued_s: float = 0.0
+    why: str = ""  # why it waited (empty: it did not)
+    headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers
+    held: bool = False
+    charged: bool = False  # its cost is already in the fair queue's accounting
+    _timer: asyncio.TimerHandle | None = None
+
+    def decided(self, uncached_tokens: int, output_tokens: int) -> None:
+        """The scheduler placed it: charge the tenant what it costs, if the queue did not."""
+        if self.controller is not None:
+            self.controller._decided(self, uncached_tokens, output_tokens)
+
+    def sent(self, uncached_tokens: int, stream: bool) -> None:
+        """Forwarded. A non-streamed answer's first byte comes after its whole decode: its
+        slot is freed once its prefill should be over (at the prefill speed streamed answers
+        showed), or at its first byte if that comes first."""
+        c = self.controller
+        if stream or not self.held or c is None or self._timer is not None or not c.prefill_tps:
+            return
+        seconds = 0.05 + uncached_tokens / c.prefill_tps
+        self._timer = asyncio.get_running_loop().call_later(seconds, self.first_byte)
+
+    def observed(self, uncached_tokens: int, first_byte_s: float) -> None:
+        """A streamed first byte: teaches the prefill speed non-streamed requests use."""
+        if self.controller is not None and uncached_tokens >= 256 and first_byte_s > 0:
+            self.controller.learn_prefill(uncached_tokens / first_byte_s)
+
+    def first_byte(self) -> None:
+        if self.held and self.controller is not None:
+            self.held = False
+            self.controller._release(self.model)
+
+    def done(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.first_byte()
+
+
+def shed_error(
+    status_message: str, code: str, retry_after: float, headers: dict[str, str]
+) -> APIError:
+    return APIError(
+        429,
+        status_message,
+        code=code,
+        headers={**headers, "Retry-After": str(max(1, math.ceil(retry_after)))},
+    )
+
+
+class FlowController:
+    """One gateway's flow control, for every model it serves."""
+
+    def __init__(
+        self,
+        config: FlowConfig,
+        replicas: Callable[[str], Sequence[ReplicaView]],
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.clock = clock
+        self.metrics = FlowMetrics(registry)
+        self.limits = RateLimiter()
+        self.queues: dict[str, FairQueue[_Waiter]] = {}
+        self.in_prefill: dict[str, int] = {}
+        self.tokens_per_request = 1024.0  # EWMA of released uncached prompt tokens
+        self.prefill_tps = 0.0  # prefill tokens/s streamed answers showed (0: none yet)
+        self.dispatch_rate = 1.0  # EWMA of releases per second while queues formed
+        self._last_dispatch = 0.0
+        self._tenants: dict[str, tuple[str, float]] = {}  # tenant -> (band, weight) last seen
+        self.usage: dict[tuple[str, str], float] = {}  # (model, tenant) -> work not yet shared
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.config.enabled and self._task is None:
+            self._task = asyncio.create_task(self._ticker())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+
+    async def _ticker(self) -> None:
+        """Releases what the replicas' scraped signals allow once they change (a slot freed
+        by a first byte is pumped at once; a gauge that drops has no event)."""
+        while True:
+            if not any(q.size for q in self.queues.values()):
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.sleep(self.config.tick_s)
+            for model in list(self.queues):
+                self.pump(model)
+
+    # -- admission --------------------------------------------------------------------------
+    def queue(self, model: str) -> FairQueue[_Waiter]:
+        q = self.queues.get(model)
+        if q is None:
+            q = self.queues[model] = FairQueue(max_lead=self.config.history_tokens)
+        return q
+
+    def capacity(self, model: str) -> Capacity | None:
+        """None when no replica serves the model (the route answers that, not the queue)."""
+        replicas = self.replicas(model)
+        if not replicas:
+            return None
+        return capacity(
+            replicas, self.in_prefill.get(model, 0), self.config.thresholds, self.tokens_per_request
+        )
+
+    def expected_output(self, max_tokens: int | None) -> int:
+        return max_tokens if max_tokens is not None else self.config.default_output_tokens
+
+    async def admit(
+        self, req: FlowRequest, estimate_uncached: Callable[[], Awaitable[int]]
+    ) -> Ticket:
+        """A ticket once the request may go to the scheduler; a 429 ``APIError`` when it is
+        shed. Cancelled (the client left) while waiting: out of the queue, nothing held."""
+        s = req.settings
+        now = self.clock()
+        ticket = Ticket(self, req.model, req.tenant, s.band, s.weight, req.session)
+        tokens = req.prompt_tokens + self.expected_output(req.max_tokens)
+        wait, which, ticket.headers = self.limits.check(req.tenant, s.rpm, s.tpm, tokens, now)
+        if which is not None:
+            self.metrics.shed.labels(req.tenant, f"rate_{which}").inc()
+            raise shed_error(
+                f"rate limit reached for {which} per minute; retry after {math.ceil(wait)} s",
+                "rate_limit_exceeded",
+                wait,
+                ticket.headers,
+            )
+        if not self.config.enabled:
+            ticket.controller = None  # rate limits only: nothing held, nothing charged
+            return ticket
+        self._tenants[req.tenant] = (s.band, s.weight)
+        q = self.queue(req.model)
+        cap = self.capacity(req.model)
+        if cap is None or (q.size == 0 and cap.free):
+            self._take(req.model)
+            ticket.held = True
+            self.metrics.released.labels(s.band, "no").inc()
+            return ticket
+        # Saturated: what the request costs decides its place among its band's tenants.
+        uncached = await estimate_uncached()
+        ticket.cost = uncached + self.config.decode_token_cost * self.expected_output(
+            req.max_tokens
+        )
+        return await self._wait(req, ticket, cap)
+
+    async def _wait(self, req: FlowRequest, ticket: Ticket, cap: Capacity | None) -> Ticket:
+        s = req.settings
+        q = self.queue(req.model)
+        bound = s.max_queue or self.config.max_queue_per_tenant
+        if q.tenant_depth(s.band, req.tenant) >= bound:
+            self._shed_count(req.tenant, "queue_full")
+            raise shed_error(
+                f"too many requests of this tenant are waiting ({bound}); retry later",
+                "queue_full",
+                self._retry_after(q, s.band),
+                ticket.headers,
+            )
+        if q.size >= self.config.max_queue and not self._make_room(q, s.band):
+            self._shed_count(req.tenant, "overflow")
+            raise shed_error(
+                "the gateway's queue is full; retry later",
+                "queue_full",
+                self._retry_after(q, s.band),
+                ticket.headers,
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), ticket)
+        ahead = q.depth(s.band) + sum(q.depth(b) for b in BANDS if BAND_RANK[b] < BAND_RANK[s.band])
+        entry = q.push(
+            Entry(waiter, req.tenant, req.session, s.band, ticket.cost, s.weight, self.clock())
+        )
+        ticket.why = f"fleet saturated ({_describe(cap)}); {ahead} ahead in band {s.band} or higher"
+        self._gauge(q)
+        self._wake.set()
+        self.pump(req.model)  # a slot may have freed while the cost was estimated
+        timeout = s.queue_timeout_s or self.config.queue_timeout_s
+        t0 = self.clock()
+        try:
+            await asyncio.wait({waiter.future}, timeout=timeout)
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                ticket.done()  # released just as the client left: give the slot back
+            elif q.remove(entry):
+                self._gauge(q)
+            raise
+        finally:
+            ticket.queued_s = self.clock() - t0
+        if not waiter.future.done():
+            if q.remove(entry):
+                self._gauge(q)
+            self._shed_count(req.tenant, "queue_timeout")
+            raise shed_error(
+                f"the request waited {timeout:g} s in the gateway's queue (the fleet is "
+                "saturated); retry later",
+                "queue_timeout",
+                self._retry_after(q, s.band),
+                ticket.headers,
+            )
+        waiter.future.result()  # raises the 429 of a request shed by a higher band
+        self.metrics.wait.labels(s.band).observe(ticket.queued_s)
+        return ticket
+
+    def _make_room(self, q: FairQueue[_Waiter], band: str) -> bool:
+        """The queue is full: shed the newest request of the lowest band below ``band``."""
+        for lower in reversed(BANDS):
+            if BAND_RANK[lower] <= BAND_RANK[band]:
+                return False
+            victim = q.newest(lower)
+            if victim is not None and q.remove(victim):
+                w = victim.item
+                self._shed_count(w.ticket.tenant, "overflow")
+                w.future.set_exception(
+                    shed_error(
+                        f"shed for {band} traffic: the gateway's queue is full; retry later",
+                        "queue_full",
+                        self._retry_after(q, lower),
+                        w.ticket.headers,
+                    )
+                )
+                self._gauge(q)
+                return True
+        return False
+
+    # -- release ----------------------------------------------------------------------------
+    def pump(self, model: str) -> None:
+        """Release queued requests in fair order while the model has a free prefill slot."""
+        q = self.queues.get(model)
+        if q is None or not q.size:
+            return
+        while q.size:
+            cap = self.capacity(model)
+            if cap is not None and not cap.free:
+                self.metrics.saturated.set(1)
+                break
+            entry = q.pop()
+            assert entry is not None
+            w = entry.item
+            if w.future.done():  # cannot happen (removed entries leave the queue): stay safe
+                continue
+            self._take(model)
+            w.ticket.held = True
+            w.ticket.charged = True
+            self._count_usage(model, w.ticket.tenant, entry.cost)
+            self.metrics.released.labels(entry.band, "yes").inc()
+            now = self.clock()
+            if self._last_dispatch:
+                gap = max(1e-3, now - self._last_dispatch)
+                self.dispatch_rate += 0.1 * (1.0 / gap - self.dispatch_rate)
+            self._last_dispatch = now
+            w.future.set_result(None)
+        else:
+            self.metrics.saturated.set(0)
+        self._gauge(q)
+
+    def _take(self, model: str) -> None:
+        self.in_prefill[model] = self.in_prefill.get(model, 0) + 1
+        self.metrics.in_prefill.inc()
+
+    def _release(self, model: str) -> None:
+        self.in_prefill[model] -= 1
+        self.metrics.in_prefill.dec()
+        self.pump(model)
+
+    def _decided(self, ticket: Ticket, uncached: int, output_tokens: int) -> None:
+        self.tokens_per_request += 0.05 * (max(1, uncached) - self.tokens_per_request)
+        if ticket.charged:
+            return
+        ticket.charged = True
+        cost = uncached + self.config.decode_token_cost * output_tokens
+        ticket.cost = cost
+        self.queue(ticket.model).charge(
+            ticket.band, ticket.tenant, cost, ticket.weight, dispatched=True
+        )
+        self._count_usage(ticket.model, ticket.tenant, cost)
+
+    def _count_usage(self, model: str, tenant: str, cost: float) -> None:
+        key = (model, tenant)
+        self.usage[key] = self.usage.get(key, 0.0) + cost
+
+    def learn_prefill(self, tps: float) -> None:
+        self.prefill_tps = (
+            tps if not self.prefill_tps else self.prefill_tps + 0.1 * (tps - self.prefill_tps)
+        )
+
+    def charge_remote(self, model: str, tenant: str, cost: float) -> None:
+        """Work another gateway did for ``tenant`` (fleet mode): it counts here too."""
+        band, weight = self._tenants.get(tenant, ("standard", 1.0))
+        self.queue(model).charge(band, tenant, cost, weight, dispatched=False)
+        self.metrics.remote_usage.labels(tenant).inc(cost)
+
+    # -- views ------------------------------------------------------------------------------
+    def _shed_count(self, tenant: str, reason: str) -> None:
+        self.metrics.shed.labels(tenant, reason).inc()
+
+    def _retry_after(self, q: FairQueue[_Waiter], band: str) -> float:
+        ahead = sum(q.depth(b) for b in BANDS if BAND_RANK[b] <= BAND_RANK[band])
+        return min(60.0, max(1.0, ahead / max(0.1, self.dispatch_rate)))
+
+    def _gauge(self, q: FairQueue[_Waiter]) -> None:
+        for band in BANDS:
+            self.metrics.depth.labels(band).set(sum(qq.depth(band) for qq in self.queues.values()))
+
+    def explain(self, model: str, tenant: str, settings: FlowSettings) -> dict[str, Any]:
+        """What flow control would do with a request of ``tenant`` for ``model`` now."""
+        if not self.config.enabled:
+            return {"enabled": False}
+        q = self.queue(model)
+        cap = self.capacity(model)
+        queued = q.size > 0
+        saturated = cap is not None and not cap.free
+        if cap is None:
+            verdict = "passes: no replica serves the model (the route answers that)"
+        elif not queued and not saturated:
+            verdict = "passes at once: a prefill slot is free and nothing waits"
+        else:
+            verdict = (
+                f"waits in band {settings.band} behind {q.depth(settings.band)} queued of its "
+                f"band and {sum(q.depth(b) for b in BANDS if BAND_RANK[b] < BAND_RANK[settings.band])} "
+                "of higher bands, in weighted fair order"
+            )
+        return {
+            "enabled": True,
+            "verdict": verdict,
+            "band": settings.band,
+            "weight": settings.weight,
+            "tenant_queued": q.tenant_depth(settings.band, tenant),
+            "tenant_lead": round(q.lag(settings.band, tenant), 1),
+            "queues": q.describe(),
+            "capacity": cap.describe() if cap is not None else None,
+        }
+
+
+def _describe(cap: Capacity | None) -> str:
+    if cap is None:
+        return "no replica"
+    text = f"{cap.used:g} of {cap.slots:g} prefill slots busy"
+    if cap.blocked:
+        text += f", {len(cap.blocked)} replicas full"
+    return text

@@ -1,0 +1,256 @@
+"""Weighted fair queuing over bands, tenants and sessions: a pure data structure (no clock,
+no I/O), so the dispatch order can be pinned by unit tests.
+
+Start-time fair queuing (Goyal et al.): every flow keeps the virtual time its last request
+finished (``finish``); a flow that becomes backlogged starts at ``max(v, finish)``, where
+``v`` is the start tag of the last request dispatched; the backlogged flow with the least
+start tag goes next, and its finish advances by ``cost / weight``. A tenant that sends long
+uncached prompts advances faster and so waits longer: fairness is on work, not on requests.
+
+Two levels: tenants within a band, weighted by the tenant's weight; sessions within a
+tenant, equal weights, so one agent session cannot starve the tenant's others. Bands are
+strict priority: nothing of a lower band leaves while a higher band has a request queued.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+BANDS = ("critical", "standard", "sheddable")  # highest priority first
+BAND_RANK = {b: i for i, b in enumerate(BANDS)}
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Entry(Generic[T]):
+    """One queued request: ``item`` is the caller's; the tags are for explain."""
+
+    item: T
+    tenant: str
+    session: str
+    band: str
+    cost: float
+    weight: float
+    enqueued_at: float
+    seq: int = 0
+    removed: bool = False
+
+
+@dataclass(eq=False)
+class _Flow(Generic[T]):
+    """A tenant's (or, inside a tenant, a session's) queue and its finish tag."""
+
+    finish: float = 0.0
+    start: float = 0.0  # while backlogged: the start tag of its head
+    version: int = 0  # bumps when its heap entry goes stale
+    queue: deque[Entry[T]] = field(default_factory=deque)  # sessions only
+    sessions: dict[str, _Flow[T]] = field(default_factory=dict)  # tenants only
+    heap: list[tuple[float, int, str, int]] = field(default_factory=list)  # tenants: sessions
+    vtime: float = 0.0  # tenants: the session-level virtual time
+    size: int = 0  # queued entries (a tenant: over all its sessions)
+
+
+class _Band(Generic[T]):
+    def __init__(self) -> None:
+        self.vtime = 0.0
+        self.tenants: dict[str, _Flow[T]] = {}
+        self.heap: list[tuple[float, int, str, int]] = []
+        self.size = 0
+
+
+class FairQueue(Generic[T]):
+    """Bands of tenant flows of session flows. ``push`` queues, ``pop`` returns the next
+    entry in fair order, ``remove`` takes one out (its client left, or its deadline passed).
+    ``charge`` accounts work dispatched around the queue (the fast path while unsaturated,
+    or another gateway's usage) so a tenant's history counts when the queue forms.
+
+    ``max_lead``: how far (in virtual time, cost per weight) a tenant's finish tag may run
+    ahead of its band's virtual time through ``charge``; it bounds how long past usage can
+    hold a tenant back."""
+
+    def __init__(self, max_lead: float = float("inf")) -> None:
+        self.bands: dict[str, _Band[T]] = {b: _Band() for b in BANDS}
+        self.max_lead = max_lead
+        self._seq = itertools.count()
+        self.size = 0
+
+    # -- queueing ---------------------------------------------------------------------------
+    def push(self, entry: Entry[T]) -> Entry[T]:
+        band = self.bands[entry.band]
+        entry.seq = next(self._seq)
+        tenant = band.tenants.get(entry.tenant)
+        if tenant is None:
+            tenant = band.tenants[entry.tenant] = _Flow()
+        session = tenant.sessions.get(entry.session)
+        if session is None:
+            session = tenant.sessions[entry.session] = _Flow()
+        session.queue.append(entry)
+        session.size += 1
+        if session.size == 1:  # newly backlogged session
+            session.start = max(tenant.vtime, session.finish)
+            self._push_session(tenant, entry.session, session)
+        tenant.size += 1
+        if tenant.size == 1:  # newly backlogged tenant
+            tenant.start = max(band.vtime, tenant.finish)
+            self._push_tenant(band, entry.tenant, tenant)
+        band.size += 1
+        self.size += 1
+        return entry
+
+    def _push_session(self, tenant: _Flow[T], name: str, s: _Flow[T]) -> None:
+        s.version += 1
+        heapq.heappush(tenant.heap, (s.start, next(self._seq), name, s.version))
+
+    def _push_tenant(self, band: _Band[T], name: str, t: _Flow[T]) -> None:
+        t.version += 1
+        heapq.heappush(band.heap, (t.start, next(self._seq), name, t.version))
+
+    def peek_band(self) -> str | None:
+        """The band the next ``pop`` takes from."""
+        for name in BANDS:
+            if self.bands[name].size:
+                return name
+        return None
+
+    def pop(self) -> Entry[T] | None:
+        """The next entry in fair order (None if empty)."""
+        name = self.peek_band()
+        if name is None:
+            return None
+        band = self.bands[name]
+        while True:
+            start, _, tname, version = heapq.heappop(band.heap)
+            tenant = band.tenants[tname]
+            if tenant.version == version and tenant.size:
+                break
+        while True:
+            _, _, sname, sversion = heapq.heappop(tenant.heap)
+            session = tenant.sessions[sname]
+            if session.version == sversion and session.size:
+                break
+        entry = session.queue.popleft()
+        while entry.removed:  # cannot happen: removals leave the deque at once
+            entry = session.queue.popleft()
+        # Session level: equal weights inside the tenant, on the same cost.
+        tenant.vtime = max(tenant.vtime, session.start)
+        session.finish = session.start + entry.cost
+        session.size -= 1
+        if session.size:
+            session.start = session.finish
+            self._push_session(tenant, sname, session)
+        elif session.finish <= tenant.vtime:
+            del tenant.sessions[sname]
+        if len(tenant.sessions) > 64 + 4 * tenant.size:  # many one-shot sessions: forget idle
+            for key in [k for k, s in tenant.sessions.items() if not s.size]:
+                del tenant.sessions[key]
+        # Tenant level: weighted.
+        band.vtime = max(band.vtime, start)
+        tenant.finish = start + entry.cost / entry.weight
+        tenant.size -= 1
+        band.size -= 1
+        self.size -= 1
+        if tenant.size:
+            tenant.start = tenant.finish
+            self._push_tenant(band, tname, tenant)
+        self._prune(band, tname, tenant)
+        return entry
+
+    def remove(self, entry: Entry[T]) -> bool:
+        """Take ``entry`` out (a client that left, a deadline): False if it already left."""
+        if entry.removed:
+            return False
+        band = self.bands[entry.band]
+        tenant = band.tenants.get(entry.tenant)
+        session = tenant.sessions.get(entry.session) if tenant else None
+        if tenant is None or session is None:
+            return False
+        try:
+            session.queue.remove(entry)
+        except ValueError:
+            return False
+        entry.removed = True
+        session.size -= 1
+        tenant.size -= 1
+        band.size -= 1
+        self.size -= 1
+        if not session.size:
+            session.version += 1  # its heap entry is stale
+            if session.finish <= tenant.vtime:
+                del tenant.sessions[entry.session]
+        if not tenant.size:
+            tenant.version += 1
+        self._prune(band, entry.tenant, tenant)
+        return True
+
+    def _prune(self, band: _Band[T], name: str, tenant: _Flow[T]) -> None:
+        """An idle tenant whose finish is in the past remembers nothing worth keeping; a
+        band whose queue drained starts its next busy period afresh (as SFQ does after an
+        idle period), so memory stays bounded by what waits."""
+        if not band.size:
+            band.vtime = max([band.vtime, *(t.finish for t in band.tenants.values())])
+            band.tenants.clear()
+            band.heap.clear()
+        elif not tenant.size and tenant.finish <= band.vtime:
+            band.tenants.pop(name, None)
+
+    # -- accounting -------------------------------------------------------------------------
+    def charge(
+        self, band_name: str, tenant_name: str, cost: float, weight: float, *, dispatched: bool
+    ) -> None:
+        """Work of ``tenant_name`` done without passing through the queue: its finish tag
+        advances by ``cost / weight``, at most ``max_lead`` ahead of the band's virtual time.
+        ``dispatched``: this gateway sent it (the fast path while unsaturated), which moves
+        the band's clock as a release would; work another gateway did does not."""
+        if cost <= 0:
+            return
+        band = self.bands[band_name]
+        tenant = band.tenants.get(tenant_name)
+        if tenant is None:
+            tenant = band.tenants[tenant_name] = _Flow()
+        start = max(band.vtime, tenant.finish)
+        tenant.finish = min(start + cost / weight, band.vtime + self.max_lead)
+        if dispatched and not tenant.size:
+            band.vtime = max(band.vtime, min(start, tenant.finish))
+        if not tenant.size and tenant.finish <= band.vtime:
+            band.tenants.pop(tenant_name, None)
+
+    # -- views ------------------------------------------------------------------------------
+    def depth(self, band: str | None = None) -> int:
+        return self.size if band is None else self.bands[band].size
+
+    def tenant_depth(self, band: str, tenant: str) -> int:
+        flow = self.bands[band].tenants.get(tenant)
+        return flow.size if flow else 0
+
+    def entries(self) -> Iterator[Entry[T]]:
+        for band in self.bands.values():
+            for tenant in band.tenants.values():
+                for session in tenant.sessions.values():
+                    yield from session.queue
+
+    def newest(self, band: str) -> Entry[T] | None:
+        """The most recently queued entry of ``band`` (what overflow sheds first)."""
+        best: Entry[T] | None = None
+        for tenant in self.bands[band].tenants.values():
+            for session in tenant.sessions.values():
+                if session.queue and (best is None or session.queue[-1].seq > best.seq):
+                    best = session.queue[-1]
+        return best
+
+    def lag(self, band: str, tenant: str) -> float:
+        """How far the tenant's finish tag is ahead of its band's virtual time (0: none)."""
+        b = self.bands[band]
+        flow = b.tenants.get(tenant)
+        return max(0.0, flow.finish - b.vtime) if flow else 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            name: {"queued": b.size, "virtual_time": round(b.vtime, 3)}
+            for name, b in self.bands.items()
+        }
