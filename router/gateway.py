@@ -240,6 +240,7 @@ class Gateway:
                 self.flow,
                 lambda: fleet_mode.redis,
                 self.config.redis_prefix,
+                lambda: self.fleet.models() if self.fleet is not None else (),
                 self.config.sync_interval_s,
             )
             await self.flow_share.start()

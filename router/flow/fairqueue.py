@@ -74,9 +74,10 @@ class FairQueue(Generic[T]):
     ahead of its band's virtual time through ``charge``; it bounds how long past usage can
     hold a tenant back."""
 
-    def __init__(self, max_lead: float = float("inf")) -> None:
+    def __init__(self, max_lead: float = float("inf"), max_idle: int = 4096) -> None:
         self.bands: dict[str, _Band[T]] = {b: _Band() for b in BANDS}
         self.max_lead = max_lead
+        self.max_idle = max_idle
         self._seq = itertools.count()
         self.size = 0
 
@@ -189,15 +190,15 @@ class FairQueue(Generic[T]):
         return True
 
     def _prune(self, band: _Band[T], name: str, tenant: _Flow[T]) -> None:
-        """An idle tenant whose finish is in the past remembers nothing worth keeping; a
-        band whose queue drained starts its next busy period afresh (as SFQ does after an
-        idle period), so memory stays bounded by what waits."""
-        if not band.size:
-            band.vtime = max([band.vtime, *(t.finish for t in band.tenants.values())])
-            band.tenants.clear()
-            band.heap.clear()
-        elif not tenant.size and tenant.finish <= band.vtime:
+        """An idle tenant whose finish is in the past remembers nothing worth keeping. Idle
+        tenants still ahead (their last request's cost, or work another gateway reported)
+        are kept, at most ``max_idle`` of them: beyond, those least ahead are forgotten."""
+        if not tenant.size and tenant.finish <= band.vtime:
             band.tenants.pop(name, None)
+        if len(band.tenants) > self.max_idle + band.size:
+            idle = sorted((t.finish, n) for n, t in band.tenants.items() if not t.size)
+            for _, n in idle[: len(band.tenants) - self.max_idle - band.size]:
+                del band.tenants[n]
 
     # -- accounting -------------------------------------------------------------------------
     def charge(
@@ -217,8 +218,7 @@ class FairQueue(Generic[T]):
         tenant.finish = min(start + cost / weight, band.vtime + self.max_lead)
         if dispatched and not tenant.size:
             band.vtime = max(band.vtime, min(start, tenant.finish))
-        if not tenant.size and tenant.finish <= band.vtime:
-            band.tenants.pop(tenant_name, None)
+        self._prune(band, tenant_name, tenant)
 
     # -- views ------------------------------------------------------------------------------
     def depth(self, band: str | None = None) -> int:

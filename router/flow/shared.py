@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from router.flow.controller import FlowController
@@ -33,12 +33,14 @@ class UsageShare:
         controller: FlowController,
         redis: Callable[[], Any],
         namespace: str,
+        served: Callable[[], Iterable[str]],
         interval_s: float = 0.5,
         timeout_s: float = 0.5,
     ) -> None:
         self.controller = controller
         self.redis = redis
         self.namespace = namespace
+        self.served = served  # the models the fleet serves: their usage is read
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.own: dict[tuple[str, str], float] = {}  # what this gateway added, cumulative
@@ -69,6 +71,7 @@ class UsageShare:
         client = self.redis()
         pending = self.controller.usage
         self.models.update(m for m, _ in pending)
+        self.models.update(self.served())
         if client is None or not self.models:
             return False
         self.controller.usage = {}

@@ -1,0 +1,255 @@
+"""Flow control over real sockets: a simulated replica, a gateway with flow control on, and a
+request the replica holds (``hang_next``) so that everything after it queues in the gateway.
+Releasing the held request (its client leaves) frees the one prefill slot; the replica then
+sees the queued requests one at a time, in the order flow control releases them. The tests
+read that order from the replica's own records, never from timing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import chat_body, post, wait_for
+
+MODEL = "Qwen/Qwen3-0.6B"
+TENANTS = {
+    "a": {"weight": 3},
+    "b": {"weight": 1},
+    "crit": {"band": "critical"},
+    "low": {"band": "sheddable"},
+    "impatient": {"queue_timeout_s": 0.05},
+    "small": {"max_queue": 1},
+}
+
+
+def body(i: int, **extra: Any) -> dict[str, Any]:
+    # the same length everywhere: equal costs, so the order is the weights' and bands'
+    return chat_body(f"Question number {i % 10}", max_tokens=64, **extra)
+
+
+class Setup:
+    def __init__(self, replica: Any, gw: Any, http: aiohttp.ClientSession) -> None:
+        self.replica, self.gw, self.http = replica, gw, http
+        self.held: asyncio.Task[Any] | None = None
+
+    @property
+    def queued(self) -> int:
+        return sum(q.size for q in self.gw.gateway.flow.queues.values())
+
+    async def hold(self) -> None:
+        """One request the replica accepts and never answers: the fleet's only slot."""
+        self.replica.hang_next(1)
+        self.held = asyncio.create_task(self.send("held", "holder", 0))
+
+        async def hanging() -> bool:
+            return self.replica.hanging == 1
+
+        await wait_for(hanging, what="the held request at the replica")
+
+    async def release(self) -> None:
+        assert self.held is not None
+        self.held.cancel()  # its client leaves: the gateway drops the upstream request
+        await asyncio.gather(self.held, return_exceptions=True)
+
+    def send(
+        self, rid: str, tenant: str, i: int, path: str = "/v1/chat/completions", **extra: Any
+    ) -> Awaitable[tuple[int, Any, Any]]:
+        headers = {"X-Tenant": tenant, "x-request-id": rid}
+        data = body(i, **extra) if path.endswith("completions") else extra["anthropic"]
+        return post(self.http, self.gw.url + path, data, headers)
+
+    async def enqueue(self, rid: str, tenant: str, i: int = 0, **extra: Any) -> asyncio.Task[Any]:
+        """Send and wait until it is queued, so the queue order is the sending order."""
+        before = self.queued
+        task = asyncio.create_task(self.send(rid, tenant, i, **extra))
+
+        async def queued() -> bool:
+            return self.queued > before or task.done()
+
+        await wait_for(queued, what=f"{rid} queued")
+        return task
+
+    def served(self) -> list[str]:
+        """Request ids in the order the replica started them (their engine arrival)."""
+        records = sorted(self.replica.stats["records"], key=lambda r: r["arrival"])
+        ids = [r["request_id"] for r in records if r.get("finish_reason") != "abort"]
+        return [i.removeprefix("chatcmpl-") for i in ids]
+
+
+@pytest.fixture
+async def setup(fleet, gateway) -> Any:
+    (replica,) = await fleet(1)
+    gw = await gateway(
+        [replica.url],
+        flow_control=True,
+        tenant_header="X-Tenant",
+        tenants=TENANTS,
+    )
+    async with aiohttp.ClientSession() as http:
+        yield Setup(replica, gw, http)
+
+
+async def finish(tasks: list[asyncio.Task[Any]]) -> list[tuple[int, Any, Any]]:
+    return list(await asyncio.gather(*tasks))
+
+
+async def test_weights_decide_the_order_of_release(setup: Setup) -> None:
+    await setup.hold()
+    tasks = [await setup.enqueue(f"a{i}", "a", i) for i in range(4)]
+    tasks += [await setup.enqueue(f"b{i}", "b", i) for i in range(4)]
+    await setup.release()
+    results = await finish(tasks)
+    assert [r[0] for r in results] == [200] * 8
+    order = setup.served()
+    assert len(order) == 8
+    # weight 3 against 1: a, b, then a twice more before b's second turn
+    assert [x[0] for x in order[:4]] == ["a", "b", "a", "a"]
+    assert setup.gw.gateway.flow.in_prefill[MODEL] == 0
+
+
+async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:
+    await setup.hold()
+    tasks = [
+        await setup.enqueue("low0", "low", 0),
+        await setup.enqueue("std0", "b", 1),
+        await setup.enqueue("crit0", "crit", 2),
+        await setup.enqueue("std1", "b", 3),
+    ]
+    await setup.release()
+    assert [r[0] for r in await finish(tasks)] == [200] * 4
+    assert setup.served() == ["crit0", "std0", "std1", "low0"]
+
+
+async def test_a_deadline_sheds_with_a_429_in_each_apis_shape(setup: Setup) -> None:
+    await setup.hold()
+    status, headers, err = await setup.send("late", "impatient", 0)
+    assert status == 429
+    assert err["error"]["code"] == "queue_timeout" and err["error"]["type"] == "RateLimitError"
+    assert int(headers["Retry-After"]) >= 1
+    anthropic = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    status, headers, err = await setup.send(
+        "late2", "impatient", 0, path="/v1/messages", anthropic=anthropic
+    )
+    assert status == 429
+    assert err == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": err["error"]["message"]},
+    }
+    assert int(headers["Retry-After"]) >= 1
+    assert setup.queued == 0
+    await setup.release()
+    # nothing of the shed requests reached the replica, and the slot is free again
+    status, _, _ = await setup.send("after", "b", 0)
+    assert status == 200
+    assert setup.served() == ["after"]
+    assert await shed_count(setup, "impatient", "queue_timeout") == 2
+
+
+async def test_a_full_tenant_queue_refuses_at_once(setup: Setup) -> None:
+    await setup.hold()
+    first = await setup.enqueue("s0", "small", 0)
+    status, headers, err = await setup.send("s1", "small", 1)
+    assert status == 429 and err["error"]["code"] == "queue_full" and "Retry-After" in headers
+    other = await setup.enqueue("b0", "b", 2)  # another tenant still queues
+    await setup.release()
+    assert [r[0] for r in await finish([first, other])] == [200, 200]
+    assert setup.served() == ["s0", "b0"]
+
+
+async def test_a_client_leaving_while_queued_leaves_the_queue(setup: Setup) -> None:
+    await setup.hold()
+    gone = await setup.enqueue("gone", "a", 0)
+    stays = await setup.enqueue("stays", "b", 1)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+
+    async def left() -> bool:
+        return setup.queued == 1
+
+    await wait_for(left, what="the queue to lose the request whose client left")
+    flow = setup.gw.gateway.flow
+    assert flow.in_prefill[MODEL] == 1  # only the held request
+    await setup.release()
+    assert (await stays)[0] == 200
+    assert setup.served() == ["stays"]  # the one whose client left never reached the replica
+    assert flow.in_prefill[MODEL] == 0 and setup.queued == 0
+
+
+async def shed_count(setup: Setup, tenant: str, reason: str) -> float:
+    async with setup.http.get(setup.gw.url + "/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("prefix_router_flow_shed_total{") and (
+            f'tenant="{tenant}"' in line and f'reason="{reason}"' in line
+        ):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_rate_limits_answer_429_with_the_standard_headers(fleet, gateway) -> None:
+    (replica,) = await fleet(1)
+    gw = await gateway([replica.url], tenant_header="X-Tenant", tenants={"metered": {"rpm": 2}})
+    async with aiohttp.ClientSession() as http:
+        h = {"X-Tenant": "metered"}
+        s1, h1, _ = await post(http, gw.url + "/v1/chat/completions", body(0), h)
+        s2, h2, _ = await post(http, gw.url + "/v1/chat/completions", body(1), h)
+        s3, h3, err = await post(http, gw.url + "/v1/chat/completions", body(2), h)
+        free, hf, _ = await post(http, gw.url + "/v1/chat/completions", body(3))
+    assert (s1, s2, s3, free) == (200, 200, 429, 200)
+    assert h1["x-ratelimit-limit-requests"] == "2" and h1["x-ratelimit-remaining-requests"] == "1"
+    assert h2["x-ratelimit-remaining-requests"] == "0"
+    assert err["error"]["code"] == "rate_limit_exceeded" and int(h3["Retry-After"]) >= 1
+    assert "x-ratelimit-limit-requests" not in hf  # a tenant without limits
+
+
+async def test_two_gateways_on_one_redis_share_a_tenants_usage(
+    fleet, gateway, redis_server
+) -> None:
+    (replica,) = await fleet(1)
+    common: dict[str, Any] = dict(
+        flow_control=True,
+        tenant_header="X-Tenant",
+        redis_url=redis_server.url,
+        sync_interval_s=0.05,
+    )
+    g1 = await gateway([replica.url], **common)
+    g2 = await gateway([replica.url], **common)
+    async with aiohttp.ClientSession() as http:
+        # a works through the first gateway while the fleet has room
+        for i in range(4):
+            status, _, _ = await post(
+                http, g1.url + "/v1/chat/completions", body(i), {"X-Tenant": "a"}
+            )
+            assert status == 200
+
+        async def shared() -> bool:
+            return await remote_usage(http, g2.url, "a") > 0
+
+        await wait_for(shared, what="the second gateway to see a's usage")
+        setup = Setup(replica, g2, http)
+        replica.stats["records"].clear()
+        await setup.hold()
+        tasks = [await setup.enqueue("a-late", "a", 5), await setup.enqueue("b-new", "b", 6)]
+        await setup.release()
+        assert [r[0] for r in await finish(tasks)] == [200, 200]
+    # b, idle everywhere, goes before a, which queued first here but worked on the other
+    assert setup.served() == ["b-new", "a-late"]
+
+
+async def remote_usage(http: aiohttp.ClientSession, url: str, tenant: str) -> float:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("prefix_router_flow_remote_usage_tokens_total{") and (
+            f'tenant="{tenant}"' in line
+        ):
+            return float(line.split()[-1])
+    return 0.0
