@@ -25,6 +25,8 @@ Workloads:
 - :func:`pressure` -- issue 15's scenario (many tenants, one hot, long system prompts; see
   ``loadtest.pressure``), token-id prompts; ``python -m loadtest.bench_pressure`` replays it in
   simulated time.
+- :func:`noisy_neighbour` -- issue 32's scenario (quiet tenants, one flooding open-loop; see
+  ``loadtest.noisy``); ``python -m loadtest.bench_flow`` runs it with flow control off and on.
 - :func:`prefix_repetition` -- N prefixes x M suffixes, like ``vllm bench serve --dataset-name
   prefix_repetition``. Flatters hit rates (see the warning it carries).
 """
@@ -39,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.noisy import NoisyParams, noisy_workload
 from loadtest.pressure import PressureParams, pressure_workload
 from loadtest.spec import (
     DEFAULT_MODEL,
@@ -63,6 +66,7 @@ __all__ = [
     "collect_specs",
     "make_preamble",
     "multi_tenant",
+    "noisy_neighbour",
     "preamble",
     "prefix_repetition",
     "pressure",
@@ -71,7 +75,14 @@ __all__ = [
 ]
 
 PREAMBLE_POSITIONS = ("first", "after_system", "last")
-WORKLOADS = ("preamble", "multi_tenant", "trace", "prefix_repetition", "pressure")
+WORKLOADS = (
+    "preamble",
+    "multi_tenant",
+    "trace",
+    "prefix_repetition",
+    "pressure",
+    "noisy_neighbour",
+)
 
 
 def _rng(seed: int, *parts: object) -> random.Random:
@@ -540,6 +551,15 @@ def pressure(*, model: str = DEFAULT_MODEL, **kwargs: Any) -> Workload:
 
 
 # ---------------------------------------------------------------------------------------------
+# noisy_neighbour (implemented in loadtest.noisy)
+
+
+def noisy_neighbour(*, model: str = DEFAULT_MODEL, **kwargs: Any) -> Workload:
+    """Issue 32's scenario; ``kwargs`` are :class:`loadtest.noisy.NoisyParams` fields."""
+    return noisy_workload(NoisyParams(**kwargs), model)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def build(name: str, **kwargs: Any) -> Workload:
@@ -551,6 +571,7 @@ def build(name: str, **kwargs: Any) -> Workload:
         "trace": trace,
         "prefix_repetition": prefix_repetition,
         "pressure": pressure,
+        "noisy_neighbour": noisy_neighbour,
     }
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

@@ -722,17 +722,19 @@ class Gateway:
         429 ``APIError``."""
         return await self.flow.admit(self.flow_request(rr, headers), lambda: self.uncached(rr))
 
-    async def uncached(self, rr: RoutedRequest) -> int:
-        """Prompt tokens the best-placed replica would prefill: the scheduler's prefix match
-        (the index lookup a decision makes), without a decision."""
+    async def uncached(self, rr: RoutedRequest) -> tuple[int, tuple[str, ...]]:
+        """Prompt tokens the best-placed replica would prefill, and the replicas holding that
+        much: the scheduler's prefix match (the index lookup a decision makes), without a
+        decision."""
         replicas = self.fleet.serving(rr.model) if self.fleet is not None else []
         if not replicas or not self.policy.uses_index:
-            return rr.num_tokens
+            return rr.num_tokens, ()
         matches = await self.index.match(rr.block_hashes, [r.url for r in replicas])
-        held = min(
+        best = min(
             max(matches.values(), default=0), blocks.cacheable_blocks(rr.num_tokens, rr.block_size)
         )
-        return max(0, rr.num_tokens - held * rr.block_size)
+        holders = tuple(url for url, m in matches.items() if best and min(m, best) == best)
+        return max(0, rr.num_tokens - best * rr.block_size), holders
 
     async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         t0 = time.perf_counter()

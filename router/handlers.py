@@ -227,6 +227,7 @@ class Handlers:
                 if ticket.why:
                     extra["x-prefix-router-queued-ms"] = f"{ticket.queued_s * 1000:.0f}"
             ticket.decided(
+                replica.url,
                 max(0, rr.num_tokens - decision.matched_blocks * rr.block_size),
                 self.gw.flow.expected_output(rr.max_tokens),
             )

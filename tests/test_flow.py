@@ -108,7 +108,7 @@ async def test_weights_decide_the_order_of_release(setup: Setup) -> None:
     assert len(order) == 8
     # weight 3 against 1: a, b, then a twice more before b's second turn
     assert [x[0] for x in order[:4]] == ["a", "b", "a", "a"]
-    assert setup.gw.gateway.flow.in_prefill[MODEL] == 0
+    assert setup.gw.gateway.flow.in_prefill(MODEL) == 0
 
 
 async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:
@@ -176,11 +176,11 @@ async def test_a_client_leaving_while_queued_leaves_the_queue(setup: Setup) -> N
 
     await wait_for(left, what="the queue to lose the request whose client left")
     flow = setup.gw.gateway.flow
-    assert flow.in_prefill[MODEL] == 1  # only the held request
+    assert flow.in_prefill(MODEL) == 1  # only the held request
     await setup.release()
     assert (await stays)[0] == 200
     assert setup.served() == ["stays"]  # the one whose client left never reached the replica
-    assert flow.in_prefill[MODEL] == 0 and setup.queued == 0
+    assert flow.in_prefill(MODEL) == 0 and setup.queued == 0
 
 
 async def shed_count(setup: Setup, tenant: str, reason: str) -> float:

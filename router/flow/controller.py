@@ -134,6 +134,7 @@ class FlowMetrics:
 class _Waiter:
     future: asyncio.Future[None]
     ticket: Ticket
+    holders: tuple[str, ...] = ()  # replicas holding its longest cached prefix
 
 
 @dataclass(eq=False)
@@ -152,13 +153,15 @@ class Ticket:
     why: str = ""  # why it waited (empty: it did not)
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers
     held: bool = False
+    replica: str | None = None  # where its slot is reserved (None: not placed yet)
     charged: bool = False  # its cost is already in the fair queue's accounting
     _timer: asyncio.TimerHandle | None = None
 
-    def decided(self, uncached_tokens: int, output_tokens: int) -> None:
-        """The scheduler placed it: charge the tenant what it costs, if the queue did not."""
+    def decided(self, replica: str, uncached_tokens: int, output_tokens: int) -> None:
+        """The scheduler placed it on ``replica``: its slot is counted there, and the tenant
+        is charged what it costs (if the queue did not already)."""
         if self.controller is not None:
-            self.controller._decided(self, uncached_tokens, output_tokens)
+            self.controller._decided(self, replica, uncached_tokens, output_tokens)
 
     def sent(self, uncached_tokens: int, stream: bool) -> None:
         """Forwarded. A non-streamed answer's first byte comes after its whole decode: its
@@ -178,7 +181,7 @@ class Ticket:
     def first_byte(self) -> None:
         if self.held and self.controller is not None:
             self.held = False
-            self.controller._release(self.model)
+            self.controller._release(self.model, self.replica)
 
     def done(self) -> None:
         if self._timer is not None:
@@ -214,7 +217,8 @@ class FlowController:
         self.metrics = FlowMetrics(registry)
         self.limits = RateLimiter()
         self.queues: dict[str, FairQueue[_Waiter]] = {}
-        self.in_prefill: dict[str, int] = {}
+        # model -> replica (None: released, not placed yet) -> requests in prefill
+        self.reserved: dict[str, dict[str | None, int]] = {}
         self.tokens_per_request = 1024.0  # EWMA of released uncached prompt tokens
         self.prefill_tps = 0.0  # prefill tokens/s streamed answers showed (0: none yet)
         self.dispatch_rate = 1.0  # EWMA of releases per second while queues formed
@@ -258,14 +262,19 @@ class FlowController:
         if not replicas:
             return None
         return capacity(
-            replicas, self.in_prefill.get(model, 0), self.config.thresholds, self.tokens_per_request
+            replicas, self.reserved.get(model, {}), self.config.thresholds, self.tokens_per_request
         )
+
+    def in_prefill(self, model: str) -> int:
+        return sum(self.reserved.get(model, {}).values())
 
     def expected_output(self, max_tokens: int | None) -> int:
         return max_tokens if max_tokens is not None else self.config.default_output_tokens
 
     async def admit(
-        self, req: FlowRequest, estimate_uncached: Callable[[], Awaitable[int]]
+        self,
+        req: FlowRequest,
+        estimate: Callable[[], Awaitable[tuple[int, tuple[str, ...]]]],
     ) -> Ticket:
         """A ticket once the request may go to the scheduler; a 429 ``APIError`` when it is
         shed. Cancelled (the client left) while waiting: out of the queue, nothing held."""
@@ -289,18 +298,21 @@ class FlowController:
         q = self.queue(req.model)
         cap = self.capacity(req.model)
         if cap is None or (q.size == 0 and cap.free):
-            self._take(req.model)
-            ticket.held = True
+            self._take(ticket, None)
             self.metrics.released.labels(s.band, "no").inc()
             return ticket
         # Saturated: what the request costs decides its place among its band's tenants.
-        uncached = await estimate_uncached()
+        # Saturated: what the request costs decides its place among its band's tenants, and
+        # where its prefix is cached decides which replica's free slot it waits for.
+        uncached, holders = await estimate()
         ticket.cost = uncached + self.config.decode_token_cost * self.expected_output(
             req.max_tokens
         )
-        return await self._wait(req, ticket, cap)
+        return await self._wait(req, ticket, cap, holders)
 
-    async def _wait(self, req: FlowRequest, ticket: Ticket, cap: Capacity | None) -> Ticket:
+    async def _wait(
+        self, req: FlowRequest, ticket: Ticket, cap: Capacity | None, holders: tuple[str, ...]
+    ) -> Ticket:
         s = req.settings
         q = self.queue(req.model)
         bound = s.max_queue or self.config.max_queue_per_tenant
@@ -321,7 +333,7 @@ class FlowController:
                 ticket.headers,
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), ticket)
+        waiter = _Waiter(loop.create_future(), ticket, holders)
         ahead = q.depth(s.band) + sum(q.depth(b) for b in BANDS if BAND_RANK[b] < BAND_RANK[s.band])
         entry = q.push(
             Entry(waiter, req.tenant, req.session, s.band, ticket.cost, s.weight, self.clock())
@@ -380,22 +392,27 @@ class FlowController:
 
     # -- release ----------------------------------------------------------------------------
     def pump(self, model: str) -> None:
-        """Release queued requests in fair order while the model has a free prefill slot."""
+        """Release queued requests in fair order while the model has free prefill slots: a
+        request whose prefix is cached waits for a slot on a replica holding it (the
+        scheduler will send it there), and lets the next tenant in order take a slot it
+        cannot use."""
         q = self.queues.get(model)
         if q is None or not q.size:
             return
         while q.size:
             cap = self.capacity(model)
-            if cap is not None and not cap.free:
-                self.metrics.saturated.set(1)
+            if cap is None:
+                entry = q.pop()
+            elif not cap.free:
                 break
-            entry = q.pop()
-            assert entry is not None
+            else:
+                entry = q.pop(cap.fits)
+            if entry is None:
+                break
             w = entry.item
             if w.future.done():  # cannot happen (removed entries leave the queue): stay safe
                 continue
-            self._take(model)
-            w.ticket.held = True
+            self._take(w.ticket, cap.best(w.holders) if cap is not None else None)
             w.ticket.charged = True
             self._count_usage(model, w.ticket.tenant, entry.cost)
             self.metrics.released.labels(entry.band, "yes").inc()
@@ -405,20 +422,31 @@ class FlowController:
                 self.dispatch_rate += 0.1 * (1.0 / gap - self.dispatch_rate)
             self._last_dispatch = now
             w.future.set_result(None)
-        else:
-            self.metrics.saturated.set(0)
+        self.metrics.saturated.set(1 if q.size else 0)
         self._gauge(q)
 
-    def _take(self, model: str) -> None:
-        self.in_prefill[model] = self.in_prefill.get(model, 0) + 1
+    def _take(self, ticket: Ticket, replica: str | None) -> None:
+        slots = self.reserved.setdefault(ticket.model, {})
+        slots[replica] = slots.get(replica, 0) + 1
+        ticket.held, ticket.replica = True, replica
         self.metrics.in_prefill.inc()
 
-    def _release(self, model: str) -> None:
-        self.in_prefill[model] -= 1
+    def _release(self, model: str, replica: str | None) -> None:
+        slots = self.reserved[model]
+        slots[replica] -= 1
+        if not slots[replica]:
+            del slots[replica]
         self.metrics.in_prefill.dec()
         self.pump(model)
 
-    def _decided(self, ticket: Ticket, uncached: int, output_tokens: int) -> None:
+    def _decided(self, ticket: Ticket, replica: str, uncached: int, output_tokens: int) -> None:
+        if ticket.held and ticket.replica != replica:  # the slot moves where it was placed
+            slots = self.reserved[ticket.model]
+            slots[ticket.replica] -= 1
+            if not slots[ticket.replica]:
+                del slots[ticket.replica]
+            slots[replica] = slots.get(replica, 0) + 1
+            ticket.replica = replica
         self.tokens_per_request += 0.05 * (max(1, uncached) - self.tokens_per_request)
         if ticket.charged:
             return

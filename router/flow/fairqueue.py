@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -119,25 +119,52 @@ class FairQueue(Generic[T]):
                 return name
         return None
 
-    def pop(self) -> Entry[T] | None:
-        """The next entry in fair order (None if empty)."""
-        name = self.peek_band()
-        if name is None:
-            return None
-        band = self.bands[name]
+    def pop(
+        self, eligible: Callable[[Entry[T]], bool] | None = None, max_scan: int = 64
+    ) -> Entry[T] | None:
+        """The next entry in fair order (None if none). With ``eligible``, a tenant whose
+        next entry cannot go now (its replica is busy) is passed over, keeping its place,
+        for the next tenant in order (at most ``max_scan`` tenants a band); a lower band is
+        looked at only when no entry of the higher ones can go."""
+        for name in BANDS:
+            band = self.bands[name]
+            if not band.size:
+                continue
+            skipped: list[tuple[float, int, str, int]] = []
+            try:
+                while band.heap and len(skipped) < max_scan:
+                    item = heapq.heappop(band.heap)
+                    tenant = band.tenants.get(item[2])
+                    if tenant is None or tenant.version != item[3] or not tenant.size:
+                        continue  # stale
+                    sname, session = self._head_session(tenant)
+                    if eligible is None or eligible(session.queue[0]):
+                        return self._dispatch(band, item[0], item[2], tenant, sname, session)
+                    skipped.append(item)
+            finally:
+                for item in skipped:
+                    heapq.heappush(band.heap, item)
+        return None
+
+    def _head_session(self, tenant: _Flow[T]) -> tuple[str, _Flow[T]]:
         while True:
-            start, _, tname, version = heapq.heappop(band.heap)
-            tenant = band.tenants[tname]
-            if tenant.version == version and tenant.size:
-                break
-        while True:
-            _, _, sname, sversion = heapq.heappop(tenant.heap)
-            session = tenant.sessions[sname]
-            if session.version == sversion and session.size:
-                break
+            _, _, sname, sversion = tenant.heap[0]
+            session = tenant.sessions.get(sname)
+            if session is not None and session.version == sversion and session.size:
+                return sname, session
+            heapq.heappop(tenant.heap)  # stale
+
+    def _dispatch(
+        self,
+        band: _Band[T],
+        start: float,
+        tname: str,
+        tenant: _Flow[T],
+        sname: str,
+        session: _Flow[T],
+    ) -> Entry[T]:
+        heapq.heappop(tenant.heap)  # the head session's entry, found by _head_session
         entry = session.queue.popleft()
-        while entry.removed:  # cannot happen: removals leave the deque at once
-            entry = session.queue.popleft()
         # Session level: equal weights inside the tenant, on the same cost.
         tenant.vtime = max(tenant.vtime, session.start)
         session.finish = session.start + entry.cost

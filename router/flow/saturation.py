@@ -13,7 +13,7 @@ mostly cached requests over ``ttft_max_s`` (0: not used). Other gateways' reques
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,19 +41,44 @@ class Thresholds:
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
+    free_by_replica: dict[str, float]  # usable replica -> prefill slots free on it
+    unplaced: float  # released requests whose replica is not decided yet
     slots: float  # requests the usable replicas may have in prefill
     used: float  # in prefill now: this gateway's plus the others' estimate
     blocked: dict[str, str]  # replica -> why it takes nothing now
 
     @property
+    def room(self) -> float:
+        return sum(max(0.0, f) for f in self.free_by_replica.values()) - self.unplaced
+
+    @property
     def free(self) -> bool:
-        return self.used < self.slots
+        return self.room > 0
+
+    def free_for(self, holders: Sequence[str]) -> bool:
+        """Room for a request whose prefix ``holders`` hold: on one of them, or anywhere
+        when none of them can take anything (gone, or full by their own gauges: the
+        scheduler will place it elsewhere)."""
+        if not self.free:
+            return False
+        usable = [h for h in holders if h in self.free_by_replica]
+        return not usable or any(self.free_by_replica[h] > 0 for h in usable)
+
+    def fits(self, entry: Any) -> bool:
+        """``free_for`` a queued entry (``entry.item.holders``)."""
+        return self.free_for(entry.item.holders)
+
+    def best(self, holders: Sequence[str]) -> str | None:
+        """The holder with the most free slots (None: no usable holder)."""
+        usable = [h for h in holders if self.free_by_replica.get(h, 0.0) > 0]
+        return max(usable, key=lambda h: self.free_by_replica[h]) if usable else None
 
     def describe(self) -> dict[str, Any]:
         return {
             "prefill_slots": self.slots,
             "in_prefill": self.used,
             "saturated": not self.free,
+            "free_by_replica": dict(self.free_by_replica),
             "blocked_replicas": dict(self.blocked),
         }
 
@@ -69,20 +94,29 @@ def blocked_reason(r: ReplicaView, t: Thresholds) -> str | None:
 
 
 def capacity(
-    replicas: Sequence[ReplicaView], in_prefill: float, t: Thresholds, tokens_per_request: float
+    replicas: Sequence[ReplicaView],
+    reserved: Mapping[str | None, int],
+    t: Thresholds,
+    tokens_per_request: float,
 ) -> Capacity:
-    """The model's prefill slots and how many are taken. ``in_prefill``: this gateway's own
-    requests released and not yet at their first byte; another gateway's queued prefill
-    tokens count as ``ceil(tokens / tokens_per_request)`` requests."""
+    """The model's prefill slots and how many are taken. ``reserved``: this gateway's own
+    requests released and not yet at their first byte, per replica (None: not placed yet);
+    another gateway's queued prefill tokens count as ``ceil(tokens / tokens_per_request)``
+    requests."""
     blocked: dict[str, str] = {}
-    slots = 0.0
-    remote = 0.0
+    free: dict[str, float] = {}
+    slots = used = 0.0
     for r in replicas:
+        remote = 0.0
         if r.remote_prefill_tokens > 0:
-            remote += math.ceil(r.remote_prefill_tokens / max(1.0, tokens_per_request))
+            remote = math.ceil(r.remote_prefill_tokens / max(1.0, tokens_per_request))
+        busy = reserved.get(r.url, 0) + remote
+        used += busy
         why = blocked_reason(r, t)
         if why is None:
             slots += t.prefill_per_replica
+            free[r.url] = t.prefill_per_replica - busy
         else:
             blocked[r.url] = why
-    return Capacity(slots, in_prefill + remote, blocked)
+    unplaced = float(reserved.get(None, 0))
+    return Capacity(free, unplaced, slots, used + unplaced, blocked)
