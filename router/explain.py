@@ -159,6 +159,10 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
         all_hashes=request.query.get("all_hashes", "") in ("1", "true"),
     )
     body["schedule"] = gateway.policy.describe()  # the plugins and weights behind the terms
+    # Flow control: whether a request like this would wait now, and why.
+    body["flow"] = gateway.flow.explain(
+        rr.model, rr.tenant, gateway.tenancy.policy_of(rr.tenant).flow
+    )
     if gateway.kv_events is not None:  # precise mode: is each candidate's index event-fed?
         for candidate in body.get("candidates", []):
             candidate["kv_events"] = gateway.kv_events.state(candidate["replica"])

@@ -112,6 +112,10 @@ async def test_weights_decide_the_order_of_release(setup: Setup) -> None:
 
 
 async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:
+    status, _, idle = await post(
+        setup.http, setup.gw.url + "/v1/route/explain", body(0), {"X-Tenant": "b"}
+    )
+    assert status == 200 and idle["flow"]["verdict"].startswith("passes at once")
     await setup.hold()
     tasks = [
         await setup.enqueue("low0", "low", 0),
@@ -119,6 +123,13 @@ async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:
         await setup.enqueue("crit0", "crit", 2),
         await setup.enqueue("std1", "b", 3),
     ]
+    # explain says why a request of b would wait now
+    status, _, why = await post(
+        setup.http, setup.gw.url + "/v1/route/explain", body(0), {"X-Tenant": "b"}
+    )
+    assert status == 200
+    assert why["flow"]["verdict"].startswith("waits in band standard behind 2 queued")
+    assert why["flow"]["capacity"]["saturated"] and why["flow"]["tenant_queued"] == 2
     await setup.release()
     assert [r[0] for r in await finish(tasks)] == [200] * 4
     assert setup.served() == ["crit0", "std0", "std1", "low0"]

@@ -297,13 +297,14 @@ class FlowController:
         self._tenants[req.tenant] = (s.band, s.weight)
         q = self.queue(req.model)
         cap = self.capacity(req.model)
-        if cap is None or (q.size == 0 and cap.free):
+        if cap is None or (q.size == 0 and cap.idle and cap.free):
+            # Nothing in prefill and nothing waiting: no lookup, no queue.
             self._take(ticket, None)
             self.metrics.released.labels(s.band, "no").inc()
             return ticket
-        # Saturated: what the request costs decides its place among its band's tenants.
-        # Saturated: what the request costs decides its place among its band's tenants, and
-        # where its prefix is cached decides which replica's free slot it waits for.
+        # Busy: what the request costs decides its place among its band's tenants, and
+        # where its prefix is cached decides which replica's free slot it waits for (it is
+        # released at once when one is free).
         uncached, holders = await estimate()
         ticket.cost = uncached + self.config.decode_token_cost * self.expected_output(
             req.max_tokens
@@ -338,10 +339,16 @@ class FlowController:
         entry = q.push(
             Entry(waiter, req.tenant, req.session, s.band, ticket.cost, s.weight, self.clock())
         )
-        ticket.why = f"fleet saturated ({_describe(cap)}); {ahead} ahead in band {s.band} or higher"
         self._gauge(q)
         self._wake.set()
-        self.pump(req.model)  # a slot may have freed while the cost was estimated
+        self.pump(req.model)  # released at once if a replica holding its prefix has room
+        if waiter.future.done():
+            return ticket
+        ticket.why = f"fleet busy ({_describe(cap)}); {ahead} ahead in band {s.band} or higher"
+        if holders:
+            ticket.why += (
+                f"; waits for a slot on one of the {len(holders)} replicas holding its prefix"
+            )
         timeout = s.queue_timeout_s or self.config.queue_timeout_s
         t0 = self.clock()
         try:
@@ -415,8 +422,9 @@ class FlowController:
             self._take(w.ticket, cap.best(w.holders) if cap is not None else None)
             w.ticket.charged = True
             self._count_usage(model, w.ticket.tenant, entry.cost)
-            self.metrics.released.labels(entry.band, "yes").inc()
             now = self.clock()
+            waited = "yes" if now - entry.enqueued_at > 1e-3 else "no"
+            self.metrics.released.labels(entry.band, waited).inc()
             if self._last_dispatch:
                 gap = max(1e-3, now - self._last_dispatch)
                 self.dispatch_rate += 0.1 * (1.0 / gap - self.dispatch_rate)

@@ -48,6 +48,11 @@ class Capacity:
     blocked: dict[str, str]  # replica -> why it takes nothing now
 
     @property
+    def idle(self) -> bool:
+        """Nothing of this gateway's in prefill anywhere."""
+        return self.used == 0
+
+    @property
     def room(self) -> float:
         return sum(max(0.0, f) for f in self.free_by_replica.values()) - self.unplaced
 
@@ -56,13 +61,13 @@ class Capacity:
         return self.room > 0
 
     def free_for(self, holders: Sequence[str]) -> bool:
-        """Room for a request whose prefix ``holders`` hold: on one of them, or anywhere
-        when none of them can take anything (gone, or full by their own gauges: the
-        scheduler will place it elsewhere)."""
+        """Room for a request whose prefix ``holders`` hold: a free slot on one of them (the
+        scheduler sends it there; a holder full by its own gauges makes it wait too), or
+        anywhere when it has no holder or none serves any more."""
         if not self.free:
             return False
-        usable = [h for h in holders if h in self.free_by_replica]
-        return not usable or any(self.free_by_replica[h] > 0 for h in usable)
+        known = [h for h in holders if h in self.free_by_replica or h in self.blocked]
+        return not known or any(self.free_by_replica.get(h, 0.0) > 0 for h in known)
 
     def fits(self, entry: Any) -> bool:
         """``free_for`` a queued entry (``entry.item.holders``)."""

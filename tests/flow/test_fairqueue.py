@@ -117,3 +117,28 @@ def test_idle_tenants_are_bounded():
     push(q, "old", "t99")
     push(q, "new", "new")
     assert drain(q) == ["new", "old"]
+
+
+def test_a_tenant_that_cannot_go_now_keeps_its_place():
+    # a's next request waits for a replica that is busy: b goes, a is still first after
+    q: FairQueue[str] = FairQueue()
+    push(q, "a0", "a")
+    push(q, "b0", "b")
+    push(q, "b1", "b")
+    busy = {"a0"}
+    first = q.pop(lambda e: e.item not in busy)
+    assert first is not None and first.item == "b0"
+    busy.clear()
+    assert drain(q) == ["a0", "b1"]
+    # nothing eligible: nothing leaves
+    push(q, "c0", "c")
+    assert q.pop(lambda e: False) is None and q.size == 1
+
+
+def test_a_lower_band_goes_only_when_no_higher_entry_can():
+    q: FairQueue[str] = FairQueue()
+    push(q, "crit", "x", band="critical")
+    push(q, "low", "y", band="sheddable")
+    first = q.pop(lambda e: e.item != "crit")
+    assert first is not None and first.item == "low"
+    assert drain(q) == ["crit"]
