@@ -48,7 +48,7 @@ examples:
     # fresh simulated replicas per policy, same workload and seed through each gateway
     prefix-router loadtest compare --workload preamble --position all --policies round_robin \\
         --sim 3 --out reports/preamble
-    prefix-router loadtest compare --workload trace --policies ttft,round_robin --sim 4 \\
+    prefix-router loadtest compare --workload trace --policies ring_spill,round_robin --sim 4 \\
         --time-scale 20 --max-requests 400
 
     # existing targets (share one set of replicas: later runs start warm)

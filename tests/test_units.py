@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from router.blocks import ChainCache, block_hashes, cacheable_blocks
 from router.config import ConfigError, add_arguments, dump_yaml, load_config
 from router.index import MemoryIndex
-from router.schedule import Candidate, HashRing, build_policy
+from router.schedule import Candidate, HashRing, build_named
 from tests.schedule.common import req as _req
 
 # -- blocks ---------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_ring_bounded_load_walks_past_a_full_member():
 
 def test_ttft_prefers_the_holder_until_its_queue_outweighs_the_prefill():
     ring = HashRing(["a", "b", "c"])
-    policy = build_policy("ttft", ring)
+    policy = build_named("ttft", ring)
     req = _req(1600)
     warm = [Candidate("a", matched_blocks=90), Candidate("b"), Candidate("c")]
     d = policy.choose(req, warm)
@@ -155,7 +155,7 @@ def test_ttft_prefers_the_holder_until_its_queue_outweighs_the_prefill():
 
 def test_ttft_load_bound_stops_piling_onto_one_replica():
     ring = HashRing(["a", "b", "c", "d"])
-    policy = build_policy("ttft", ring, load_bound=1.25)
+    policy = build_named("ttft", ring, knobs={"load_bound": 1.25})
     req = _req(1600)
     cands = [
         Candidate("a", matched_blocks=99, inflight=12),
@@ -170,7 +170,7 @@ def test_ttft_load_bound_stops_piling_onto_one_replica():
 
 def test_cold_prefixes_follow_the_ring_and_spread():
     ring = HashRing(["a", "b", "c", "d"])
-    policy = build_policy("ttft", ring)
+    policy = build_named("ttft", ring)
     picks = collections.Counter()
     for i in range(400):
         d = policy.choose(_req(64, first=i), [Candidate(u) for u in "abcd"])
@@ -181,7 +181,7 @@ def test_cold_prefixes_follow_the_ring_and_spread():
 
 def test_ties_between_equal_holders_do_not_all_break_one_way():
     ring = HashRing(["a", "b"])
-    policy = build_policy("ttft", ring)
+    policy = build_named("ttft", ring)
     picks = collections.Counter(
         policy.choose(
             _req(64, first=i), [Candidate("a", matched_blocks=3), Candidate("b", matched_blocks=3)]
@@ -193,7 +193,7 @@ def test_ties_between_equal_holders_do_not_all_break_one_way():
 
 @pytest.mark.parametrize("name", ["round_robin", "random", "least_loaded", "consistent_hash"])
 def test_baselines_spread_and_stay_in_candidates(name):
-    policy = build_policy(name, HashRing(["a", "b", "c"]))
+    policy = build_named(name, HashRing(["a", "b", "c"]))
     picks = collections.Counter(
         policy.choose(_req(64, first=i), [Candidate(u) for u in "abc"]).replica for i in range(300)
     )
@@ -250,7 +250,7 @@ def test_conversations_behind_one_shared_system_prompt_spread():
     # Every replica holds the shared 32-block system prompt; what follows differs per
     # conversation. Ties must break by the first unshared block, not all toward one replica.
     ring = HashRing(["a", "b", "c", "d"])
-    policy = build_policy("ttft", ring)
+    policy = build_named("ttft", ring)
     picks = collections.Counter()
     for i in range(200):
         ids = [7] * 512 + [i] * 256
@@ -265,7 +265,7 @@ def test_a_popular_prefix_at_light_load_spreads_by_recent_share():
     # One tenant sends everything, one request at a time: nothing ever queues, so only the
     # share bound can keep one replica from taking the whole fleet's traffic.
     ring = HashRing(["a", "b", "c", "d"])
-    policy = build_policy("ttft", ring)
+    policy = build_named("ttft", ring)
     clock = [0.0]
     policy.recent.clock = lambda: clock[0]
     held: set[str] = set()
@@ -282,7 +282,7 @@ def test_a_popular_prefix_at_light_load_spreads_by_recent_share():
         picks[d.replica] += 1
     assert max(picks.values()) / (400 / 4) <= 1.3, picks
     # ... while the first few requests stuck to one replica (below the sustained threshold).
-    fresh = build_policy("ttft", HashRing(["a", "b", "c", "d"]))
+    fresh = build_named("ttft", HashRing(["a", "b", "c", "d"]))
     first = fresh.choose(_req(800), [Candidate(u) for u in "abcd"]).replica
     for _ in range(8):
         d = fresh.choose(

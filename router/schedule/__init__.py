@@ -6,7 +6,7 @@
 
 from router.schedule import filters, pickers, registry, scorers  # noqa: F401 (plugins register)
 from router.schedule.pipeline import Pipeline
-from router.schedule.policies import POLICIES, build_policy
+from router.schedule.policies import POLICIES
 from router.schedule.registry import (
     DEFAULT_POLICY,
     PluginSpec,
@@ -25,8 +25,6 @@ from router.schedule.types import (
     ScoredCandidate,
 )
 
-Policy = Pipeline  # every policy is a pipeline
-
 __all__ = [
     "POLICIES",
     "Candidate",
@@ -35,13 +33,11 @@ __all__ = [
     "Pick",
     "Pipeline",
     "PluginSpec",
-    "Policy",
     "ProfileSpec",
     "ScheduleError",
     "ScoredCandidate",
     "build",
     "build_named",
-    "build_policy",
     "check_config",
     "from_config",
     "policy_names",

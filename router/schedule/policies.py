@@ -1,8 +1,11 @@
-"""The named policies: each a parameters dataclass composing plugins with weights.
+"""The named policies: each a parameters dataclass composing plugins with weights. A
+policy is built one way: ``spec.from_config`` (the config's ``schedule`` and flags) ->
+``registry.build_named`` (a name, its parameters and the fleet-wide knobs) ->
+``registry.build`` (a profile) -> a ``Pipeline``.
 
-``ring_spill`` (the default, pickers/ring_spill.py) keeps a prefix on as few replicas as its
-traffic needs and spills it along its own ring under pressure. ``ttft`` minimises the
-estimated time to first token, in prompt-token units:
+``ring_spill`` (the default, ``registry.DEFAULT_POLICY``; its picker in pickers/ring_spill.py)
+keeps a prefix on as few replicas as its traffic needs and spills it along its own ring under
+pressure. ``ttft`` minimises the estimated time to first token, in prompt-token units:
 
     cost(r) = uncached_prefill (tokens r must prefill)  x 1
             + queued_tokens    (tokens queued ahead)    x 1
@@ -11,8 +14,7 @@ estimated time to first token, in prompt-token units:
 
 among the replicas within both bounds (in flight now, and share of recent requests; both
 ``load_bound x mean``), ties broken by ring order; a prefix nobody eligible holds goes to its
-ring owner. ``ring_spill`` (pickers/ring_spill.py) keeps a prefix on its holders and spills it
-along its own ring under pressure. The others are baselines for A/B runs.
+ring owner. The others are baselines for A/B runs.
 """
 
 from __future__ import annotations
@@ -22,17 +24,55 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.schedule import registry
-from router.schedule.pipeline import Pipeline
 from router.schedule.recent import RecentCounts
 from router.schedule.registry import PluginSpec, ProfileSpec
-from router.schedule.ring import HashRing
 
-__all__ = ["POLICIES", "RecentCounts", "build_policy"]
+__all__ = ["POLICIES", "RecentCounts"]
 
 
 def _check_c(c: float) -> None:
     if c < 1.0:
         raise ValueError(f"load_bound must be >= 1.0, got {c}")
+
+
+@registry.policy("ring_spill")
+@dataclass(frozen=True)
+class RingSpillPolicy:
+    """ttft's cost terms, a loose in-flight bound (no share bound), picked by
+    ``ring_spill``: a prefix stays on its holders until their queues (or observed times to
+    first byte) pass the caps, then spills along its own ring."""
+
+    queue_cap_tokens: float = 1024.0
+    decode_cost_tokens: float = 8.0
+    ttft_cap_s: float = 3.0  # a holder whose observed time to first byte is over it sheds
+    inflight_bound: float = 2.5  # load_bound's c on requests in flight now (0: no bound)
+    # replica_set_bound's factor: replicas a prefix may hold per fair share of traffic (0: off)
+    replica_set_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.inflight_bound and self.inflight_bound < 1.0:
+            raise ValueError(f"inflight_bound must be 0 (off) or >= 1.0, got {self.inflight_bound}")
+        if self.replica_set_factor < 0:
+            raise ValueError(f"replica_set_factor must be >= 0, got {self.replica_set_factor}")
+
+    def profile(self) -> ProfileSpec:
+        filters = []
+        if self.replica_set_factor:  # first: the harder bound, relaxed last
+            filters.append(PluginSpec("replica_set_bound", {"factor": self.replica_set_factor}))
+        if self.inflight_bound:
+            filters.append(PluginSpec("load_bound", {"load_bound": self.inflight_bound}))
+        return ProfileSpec(
+            tuple(filters),
+            (
+                PluginSpec("uncached_prefill"),
+                PluginSpec("queued_tokens"),
+                PluginSpec("inflight", weight=self.decode_cost_tokens),
+            ),
+            PluginSpec(
+                "ring_spill",
+                {"queue_cap_tokens": self.queue_cap_tokens, "ttft_cap_s": self.ttft_cap_s},
+            ),
+        )
 
 
 @registry.policy("ttft")
@@ -80,6 +120,15 @@ class RoundRobin:
         return ProfileSpec((), (), PluginSpec("round_robin"))
 
 
+@registry.policy("sticky_prefix")
+@dataclass(frozen=True)
+class StickyPrefixPolicy:
+    """Always the longest-prefix holder (a baseline for the pressure benchmark)."""
+
+    def profile(self) -> ProfileSpec:
+        return ProfileSpec((), (), PluginSpec("sticky_prefix"))
+
+
 @registry.policy("random")
 @dataclass(frozen=True)
 class Random:
@@ -103,11 +152,3 @@ class LeastLoaded:
 
 
 POLICIES: Mapping[str, type[Any]] = registry._POLICIES  # name -> params class, live
-
-
-def build_policy(
-    name: str, ring: HashRing, load_bound: float = 1.25, decode_cost_tokens: float = 8.0
-) -> Pipeline:
-    """A named policy with today's fleet-wide knobs (each applies where the policy has it)."""
-    knobs = {"load_bound": load_bound, "decode_cost_tokens": decode_cost_tokens}
-    return registry.build_named(name, ring, knobs=knobs)

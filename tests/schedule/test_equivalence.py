@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.schedule import HashRing, build_named, build_policy
+from router.schedule import HashRing, build_named
 from tests.schedule import legacy_policies as legacy
 from tests.schedule.common import essence, random_fleet, random_request
 
@@ -50,24 +50,24 @@ def _run(old, new, *, index: bool, n: int = 1500, seed: int = 0) -> int:
 
 def test_ttft_decides_as_before_with_its_history():
     ring, ring_old = HashRing(URLS), HashRing(URLS)
-    interesting = _run(legacy.TTFTPolicy(ring_old), build_policy("ttft", ring), index=True)
+    interesting = _run(legacy.TTFTPolicy(ring_old), build_named("ttft", ring), index=True)
     assert interesting > 100  # spills and both bounds were exercised, not only cold rings
 
 
 @pytest.mark.parametrize("c,decode", [(1.0, 0.0), (1.5, 3.0), (2.0, 16.0)])
 def test_ttft_knobs_decide_as_before(c, decode):
     old = legacy.TTFTPolicy(HashRing(URLS), c, decode)
-    new = build_policy("ttft", HashRing(URLS), load_bound=c, decode_cost_tokens=decode)
+    new = build_named("ttft", HashRing(URLS), knobs={"load_bound": c, "decode_cost_tokens": decode})
     _run(old, new, index=True, n=600, seed=int(c * 10 + decode))
 
 
 def test_consistent_hash_decides_as_before():
     old = legacy.ConsistentHashPolicy(HashRing(URLS), 1.25)
-    _run(old, build_policy("consistent_hash", HashRing(URLS)), index=False)
+    _run(old, build_named("consistent_hash", HashRing(URLS)), index=False)
 
 
 def test_round_robin_decides_as_before():
-    _run(legacy.RoundRobinPolicy(), build_policy("round_robin", HashRing(URLS)), index=False)
+    _run(legacy.RoundRobinPolicy(), build_named("round_robin", HashRing(URLS)), index=False)
 
 
 @pytest.mark.parametrize(

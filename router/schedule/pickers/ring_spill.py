@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import routing_key
-from router.schedule.registry import PluginSpec, ProfileSpec
 from router.schedule.types import Cycle, Pick, ScoredCandidate
 
 
@@ -118,43 +117,3 @@ class RingSpill:
             f"holders are over the cap {self.cap:.0f} but no spill saves more: the cheapest holder"
         )
         return Pick(stay.url, reason, why + note, owner)
-
-
-@registry.policy("ring_spill")
-@dataclass(frozen=True)
-class RingSpillPolicy:
-    """ttft's cost terms, a loose in-flight bound (no share bound), picked by
-    ``ring_spill``: a prefix stays on its holders until their queues (or observed times to
-    first byte) pass the caps, then spills along its own ring."""
-
-    queue_cap_tokens: float = 1024.0
-    decode_cost_tokens: float = 8.0
-    ttft_cap_s: float = 3.0  # a holder whose observed time to first byte is over it sheds
-    inflight_bound: float = 2.5  # load_bound's c on requests in flight now (0: no bound)
-    # replica_set_bound's factor: replicas a prefix may hold per fair share of traffic (0: off)
-    replica_set_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.inflight_bound and self.inflight_bound < 1.0:
-            raise ValueError(f"inflight_bound must be 0 (off) or >= 1.0, got {self.inflight_bound}")
-        if self.replica_set_factor < 0:
-            raise ValueError(f"replica_set_factor must be >= 0, got {self.replica_set_factor}")
-
-    def profile(self) -> ProfileSpec:
-        filters = []
-        if self.replica_set_factor:  # first: the harder bound, relaxed last
-            filters.append(PluginSpec("replica_set_bound", {"factor": self.replica_set_factor}))
-        if self.inflight_bound:
-            filters.append(PluginSpec("load_bound", {"load_bound": self.inflight_bound}))
-        return ProfileSpec(
-            tuple(filters),
-            (
-                PluginSpec("uncached_prefill"),
-                PluginSpec("queued_tokens"),
-                PluginSpec("inflight", weight=self.decode_cost_tokens),
-            ),
-            PluginSpec(
-                "ring_spill",
-                {"queue_cap_tokens": self.queue_cap_tokens, "ttft_cap_s": self.ttft_cap_s},
-            ),
-        )

@@ -8,11 +8,9 @@ the least loaded. For A/B runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import tie_key
-from router.schedule.registry import PluginSpec, ProfileSpec
 from router.schedule.types import Cycle, NoParams, Pick, ScoredCandidate
 
 
@@ -38,12 +36,3 @@ class StickyPrefix:
             return Pick(cold.url, "ring", "no replica holds this prefix: the least loaded")
         chosen = min(eligible, key=lambda s: (-s.matched_blocks, rank.get(s.url, len(rank)), s.url))
         return Pick(chosen.url, "prefix", "the replica holding the longest prefix, always")
-
-
-@registry.policy("sticky_prefix")
-@dataclass(frozen=True)
-class StickyPrefixPolicy:
-    """Always the longest-prefix holder (a baseline for the pressure benchmark)."""
-
-    def profile(self) -> ProfileSpec:
-        return ProfileSpec((), (), PluginSpec("sticky_prefix"))

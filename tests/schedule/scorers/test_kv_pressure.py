@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.schedule import Candidate, HashRing, build_named, build_policy
+from router.schedule import Candidate, HashRing, build_named
 from tests.schedule.common import req
 
 URLS = ["http://a:8000", "http://b:8000", "http://c:8000"]
@@ -19,7 +19,7 @@ def _fleet(full: str) -> list[Candidate]:
 def test_weighted_kv_pressure_moves_the_decision_off_a_full_cache():
     r = req(ids=[3] * 640 + list(range(200)))
     full = URLS[1]
-    default = build_policy("ttft", HashRing(URLS)).choose(r, _fleet(full))
+    default = build_named("ttft", HashRing(URLS)).choose(r, _fleet(full))
     assert default.replica == full and default.reason == "prefix"  # 64 tokens less to prefill
     assert "kv_pressure" not in default.terms[full]  # weight 0: not even scored
 
