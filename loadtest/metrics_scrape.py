@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from router import exposition
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -22,31 +23,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def _unescape(v: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
-
-
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text exposition -> ``{metric name: [(labels, value), ...]}``."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, _, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        lab = {k: _unescape(val) for k, val in _LABEL.findall(labels or "")}
-        out.setdefault(name, []).append((lab, v))
-    return out
+# The one parser of the page (router/exposition.py), named as the load tests call it.
+parse_prometheus = exposition.parse
 
 
 def metrics_url(url: str) -> str:

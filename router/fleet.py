@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -23,15 +22,13 @@ from typing import Any
 
 import aiohttp
 
+from router import exposition
 from router.outlier import ErrorWindow, Latency, OutlierPolicy
 from router.schedule import Candidate
 from router.schedule.observed import ObservedTTFT
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.fleet")
-
-_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+(\S+)", re.M)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
@@ -52,13 +49,9 @@ class ReplicaStats:
 
 def parse_vllm_metrics(text: str) -> ReplicaStats:
     """The few ``vllm:*`` samples routing reads, summed over engines. Tolerant of anything
-    else on the page (a fast regex, not a full exposition parser: it runs every second)."""
+    else on the page (only ``vllm:`` lines are matched: it runs every second)."""
     s = ReplicaStats()
-    for name, labels, value in _SAMPLE.findall(text):
-        try:
-            v = float(value)
-        except ValueError:
-            continue
+    for name, raw_labels, v in exposition.samples(text, "vllm:"):
         if name == "vllm:num_requests_waiting":
             s.waiting += int(v)
         elif name == "vllm:num_requests_running":
@@ -70,14 +63,14 @@ def parse_vllm_metrics(text: str) -> ReplicaStats:
         elif name == "vllm:prefix_cache_hits_total":
             s.prefix_hits += v
         elif name == "vllm:cache_config_info":
-            kv = dict(_LABEL.findall(labels or ""))
+            kv = exposition.labels(raw_labels)
             with contextlib.suppress(KeyError, ValueError):
                 s.block_size = int(kv["block_size"])
             with contextlib.suppress(KeyError, ValueError):
                 s.num_gpu_blocks = int(kv["num_gpu_blocks"])
             s.hash_algo = kv.get("prefix_caching_hash_algo") or s.hash_algo
         elif name == "vllm:lora_requests_info":
-            kv = dict(_LABEL.findall(labels or ""))
+            kv = exposition.labels(raw_labels)
             names = f"{kv.get('running_lora_adapters', '')},{kv.get('waiting_lora_adapters', '')}"
             s.lora_active |= {a for a in names.split(",") if a}
     return s

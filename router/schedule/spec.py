@@ -16,7 +16,7 @@ to named policies only; a profile sets its plugins' parameters itself.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from router.schedule import registry
 from router.schedule.pipeline import Pipeline
@@ -24,8 +24,16 @@ from router.schedule.registry import PluginSpec, ProfileSpec
 from router.schedule.ring import HashRing
 from router.schedule.types import ScheduleError
 
-if TYPE_CHECKING:
-    from router.config import Config
+
+class Settings(Protocol):
+    """What the scheduling reads of the config (``router.config.Config`` has it; this
+    package does not import the config, which imports it)."""
+
+    schedule: dict[str, Any]
+    policy: str
+    load_bound: float
+    decode_cost_tokens: float
+
 
 KNOBS = ("load_bound", "decode_cost_tokens")
 PROFILE_KEYS = ("filters", "scorers", "picker")
@@ -100,21 +108,21 @@ def profile_of(schedule: Mapping[str, Any]) -> ProfileSpec:
     return ProfileSpec(lists["filters"], lists["scorers"], _entry(schedule["picker"], "picker"))
 
 
-def from_config(config: Config, ring: HashRing) -> Pipeline:
+def from_config(config: Settings, ring: HashRing) -> Pipeline:
     """The pipeline the config puts in force."""
     schedule = config.schedule or {}
     if is_profile(schedule) and config.policy == schedule.get("name", "custom"):
         return registry.build(profile_of(schedule), ring, config.policy)
+    knobs = {"load_bound": config.load_bound, "decode_cost_tokens": config.decode_cost_tokens}
     params: dict[str, Any] = {}
     if schedule.get("policy", config.policy) == config.policy:  # not overridden by a flag
         params = dict(schedule.get("params") or {})
         for k in KNOBS:
             if k in params:  # lifted into the setting, which a flag or env may have changed
-                params[k] = getattr(config, k)
-    knobs = {k: getattr(config, k) for k in KNOBS}
+                params[k] = knobs[k]
     return registry.build_named(config.policy, ring, params, knobs)
 
 
-def check_config(config: Config) -> None:
+def check_config(config: Settings) -> None:
     """Raise ``ScheduleError`` unless ``from_config`` would succeed."""
     from_config(config, HashRing())
