@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from loadtest.sim.engine import ABORTED, FINISHED, Seq
+from loadtest.sim.generate import Generation
+from loadtest.sim.host import Host
 from loadtest.sim.kvcache import block_hashes
 from loadtest.sim.protocol import (
     OFFLOAD_BYTES,
@@ -30,9 +32,6 @@ from loadtest.sim.stream import open_sse
 from router.api import anthropic, responses
 from router.errors import APIError
 
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimReplica
-
 STORE_CAPACITY = 10_000
 
 
@@ -40,10 +39,17 @@ def _sse(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {dumps(data)}\n\n"
 
 
+class ApiHost(Host, Protocol):
+    """The replica as the Messages and Responses handlers read it: generation's own steps
+    too."""
+
+    generation: Generation
+
+
 class Apis:
     """Handlers bound to one replica."""
 
-    def __init__(self, replica: SimReplica) -> None:
+    def __init__(self, replica: ApiHost) -> None:
         self.r = replica
         # response id -> the chat messages of its conversation, the answer included
         self.store: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from loadtest.sim.config import VLLM_VERSION
+from loadtest.sim.host import Host
 from loadtest.sim.protocol import OFFLOAD_BYTES, json_response, offload, opt_bool, read_json
 from router.errors import APIError, bad_request
-
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimReplica
 
 
 class Endpoints:
     """Handlers bound to one replica."""
 
-    def __init__(self, replica: SimReplica) -> None:
+    def __init__(self, replica: Host) -> None:
         self.r = replica
 
     async def tokenize(self, request: web.Request) -> web.Response:

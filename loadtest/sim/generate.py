@@ -8,11 +8,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from loadtest.sim.engine import ABORTED, FINISHED, Seq
+from loadtest.sim.host import Host
 from loadtest.sim.kvcache import block_hashes
 from loadtest.sim.protocol import (
     OFFLOAD_BYTES,
@@ -29,14 +30,11 @@ from loadtest.sim.protocol import (
 )
 from router.errors import APIError, bad_request
 
-if TYPE_CHECKING:
-    from loadtest.sim.server import SimReplica
-
 
 class Generation:
     """Request handlers bound to one replica (its config, engine, tokenizer and faults)."""
 
-    def __init__(self, replica: SimReplica) -> None:
+    def __init__(self, replica: Host) -> None:
         self.r = replica
 
     def _max_tokens(self, requested: int | None, p: int) -> int:
