@@ -156,7 +156,7 @@ async def drive(
         async def one(body: dict[str, Any]) -> None:
             nonlocal predicted, reported, prompt, ideal
             raw = json.dumps(body).encode()
-            rr = await gws[0].gateway.prepare(raw, {}, "chat", "bench")
+            rr = await gws[0].gateway.path.prepare(raw, {}, "chat", "bench")
             run_ = 0
             while run_ < len(rr.block_hashes) and rr.block_hashes[run_] in seen:
                 run_ += 1

@@ -319,7 +319,7 @@ class Sim:
     def _first(self, r: Req) -> None:
         rep = self.replicas[r.replica]
         r.t_first = self.now
-        if is_wait_sample(True, 200, r.uncached_predicted):  # as Gateway.learn does
+        if is_wait_sample(True, 200, r.uncached_predicted):  # as RequestPath.learn does
             rep.observed[r.gateway].observe(r.t_first - r.t_send)
         rep.busy_until = None
         rep.idle_since = self.now

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from router import startup
 from router.api import routes as api_routes
+from router.api.convert import CONVERTERS
 from router.api.paths import wrong_base_path
 from router.budget import share_of
 from router.config import Config
@@ -109,7 +110,7 @@ def build_app(
     index: PrefixIndex | None = None,
     extensions: Sequence[Extension] = (),
 ) -> web.Application:
-    gateway = Gateway(config, renderer, index)
+    gateway = Gateway(config, renderer, index, CONVERTERS)
     routes = Handlers(gateway)
     app = web.Application(
         middlewares=[errors_middleware],

@@ -2,7 +2,7 @@
 
 Online, ``POST /v1/route/explain`` takes a chat or completions body and answers with what
 the gateway computed for it, without forwarding. Offline, ``prefix-router explain`` prints the
-token ids and block hashes for request bodies, through the very same ``Gateway.prepare``.
+token ids and block hashes for request bodies, through the very same ``RequestPath.prepare``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def describe(
         "hashed_blocks": len(rr.block_hashes),
         "block_hashes": [f"{h:016x}" for h in hashes],
     }
-    entry = rr.extras.get("model_entry")
+    entry = rr.model_entry
     if entry is not None:
         # How this model's requests are matched: "tokens" (its own tokenizer), or
         # "text_prefix" (no tokenizer found: an approximation, router/models/fallback.py).
@@ -81,8 +81,8 @@ def describe(
         }
     if include_tokens:
         out["token_ids"] = list(rr.token_ids)
-    if rr.extras.get("adapter_load") is not None:
-        out["adapter_load"] = dict(rr.extras["adapter_load"])  # loaded on the replica first
+    if rr.adapter_load:
+        out["adapter_load"] = dict(rr.adapter_load)  # loaded on the replica first
     if decision is not None:
         out["policy"] = decision.policy
         out["decision"] = {
@@ -149,8 +149,8 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
     raw = await handlers.read_body(request, tenant=tenant)  # as the live path reads it
     hint = request.query.get("endpoint") or request.headers.get("X-Prefix-Router-Endpoint")
     endpoint = endpoint_of(None, hint) if hint else await _endpoint_of_body(gateway, raw)
-    rr = await gateway.prepare(raw, request.headers, endpoint, request_id, tenant)
-    decision = await gateway.decide(rr)
+    rr = await gateway.path.prepare(raw, request.headers, endpoint, request_id, tenant)
+    decision = await gateway.path.decide(rr)
     include = request.query.get("token_ids", "").lower() in ("1", "true", "yes")
     body = describe(
         rr,
@@ -172,7 +172,7 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
 async def _endpoint_of_body(gateway: Gateway, raw: bytes) -> Endpoint:
     """The endpoint a body's keys name (a large body is parsed as prepare parses it)."""
     try:
-        peek = await gateway.parse_json(raw) if raw.strip() else None
+        peek = await gateway.path.parse_json(raw) if raw.strip() else None
     except APIError:
         peek = None  # prepare() reports the JSON error in the usual shape
     return endpoint_of(peek) if peek is not None else "chat"
@@ -189,7 +189,7 @@ async def _explain_lines(
             continue
         try:
             endpoint = endpoint_of(json.loads(line))
-            rr = await gateway.prepare(line.encode(), headers, endpoint, f"line-{n}")
+            rr = await gateway.path.prepare(line.encode(), headers, endpoint, f"line-{n}")
             out = describe(rr, None, include_tokens=True, all_hashes=all_hashes)
             out = {
                 "line": n,

@@ -138,7 +138,7 @@ class Replica:
     window: ErrorWindow = field(default_factory=lambda: ErrorWindow(10.0))
     latency: Latency = field(default_factory=Latency.new)
     # Time to first streamed byte of mostly cached requests (its wait), decayed; the gateway
-    # feeds it (``Gateway.learn``) and ring_spill's ttft cap reads it.
+    # feeds it (``RequestPath.learn``) and ring_spill's ttft cap reads it.
     ttft: ObservedTTFT = field(default_factory=ObservedTTFT)
 
     @property

@@ -1,9 +1,9 @@
 """The HTTP surface of one gateway: the generation routes (read the body within bounds,
-prepare, decide, forward with retries before the first byte, learn), the forwarded utility
-routes, and health, readiness and metrics.
+prepare, then the forwarding path with the policy's decision: router/routed.py), /tokenize
+and /detokenize, and health, readiness and metrics.
 
-Everything here drives ``Gateway`` (router/gateway.py); nothing below this layer knows HTTP
-requests beyond what ``proxy`` relays.
+Everything here drives the gateway's owners (router/gateway.py); nothing below this layer
+knows HTTP requests beyond what ``proxy`` relays.
 """
 
 from __future__ import annotations
@@ -12,43 +12,28 @@ import asyncio
 import hmac
 import json
 import logging
-import time
-from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import startup
 from router.body import content_coding, decode_body
 from router.budget import peer_key
 from router.errors import APIError
-from router.fleet import Replica
-from router.flow.controller import Ticket
-from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable, proxy, request_headers
+from router.forward import request_headers
+from router.forwarding import ModelJob
 from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
-from router.lazy_tail import tail_of
 from router.limits import check_body
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
-from router.schedule import Decision
+from router.routed import RoutedJob
 from router.server import mark_identified
 
 log = logging.getLogger("prefix_router")
 
 REQUEST_ID = web.RequestKey("request_id", str)
 HANDLERS: web.AppKey[Handlers] = web.AppKey("handlers")  # for the ops routes (router/admin.py)
-PATHS: dict[Endpoint, str] = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "messages": "/v1/messages",
-    "responses": "/v1/responses",
-}
-
-
-def why_label(why: str) -> str:
-    """A failure's kind for a metric label: ``bad response: <parser text>`` -> ``bad response``,
-    so label values stay a small, fixed set."""
-    return why.split(":", 1)[0][:40]
 
 
 def admin_key_ok(request: web.Request, admin_key: str | None, *, accept_bearer: bool) -> bool:
@@ -67,6 +52,7 @@ class Handlers:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.path = gateway.path
         self._fallbacks_seen = 0
 
     def identify(self, request: web.Request) -> str:
@@ -172,7 +158,7 @@ class Handlers:
         tenant = self.identify(request)  # before reading a byte of the body
         raw = await self.read_body(request, tenant=tenant)
         try:
-            rr = await self.gw.prepare(
+            rr = await self.path.prepare(
                 raw, request.headers, endpoint, request_id, tenant, lazy=True
             )
             return await self.route_prepared(request, rr)
@@ -184,162 +170,28 @@ class Handlers:
         """Hand the memory a large request used back to the OS (glibc keeps freed arenas)."""
         await asyncio.get_running_loop().run_in_executor(self.gw.executor, release_free_memory)
 
-    async def route_prepared(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
-        request_id = rr.request_id
-        assert self.gw.fleet is not None
-        raw = rr.extras.get("raw")
-        body = raw if raw is not None else json.dumps(rr.body).encode()
-        headers = request_headers(
+    def upstream_headers(self, request: web.Request) -> CIMultiDict[str]:
+        """The client's headers as a replica may see them (router/forward.py)."""
+        config = self.gw.config
+        return request_headers(
             request.headers,
-            request_id,
-            self.gw.config.upstream_api_key,
-            forward_authorization=not self.gw.config.auth,
+            request[REQUEST_ID],
+            config.upstream_api_key,
+            forward_authorization=not config.auth,
             allow=self.gw.forward_allow,
         )
+
+    async def route_prepared(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
+        """Send a prepared request where the policy decides (router/routed.py)."""
         metrics = self.gw.metrics
         metrics.child(metrics.tenant_requests, rr.tenant).inc()
-        ticket = await self.gw.admit(rr, request.headers)  # waits while the fleet is full
+        ticket = await self.path.admit(rr, request.headers)  # waits while the fleet is full
         try:
-            return await self._forward(request, rr, body, headers, ticket)
+            self.path.count_prompt(rr)
+            job = RoutedJob(self.path, rr, self.upstream_headers(request), self.gw.config, ticket)
+            return await self.gw.forwarder.forward(request, rr.request_id, job)
         finally:
             ticket.done()  # its prefill slot back, however the request ended
-
-    async def _forward(
-        self,
-        request: web.Request,
-        rr: RoutedRequest,
-        body: bytes,
-        headers: Any,
-        ticket: Ticket,
-    ) -> web.StreamResponse:
-        request_id = rr.request_id
-        assert self.gw.fleet is not None
-        self.gw.count_prompt(rr)
-        tried: set[str] = set()
-        while True:
-            decision = await self.gw.decide(rr, frozenset(tried))
-            replica = self.gw.fleet.replicas[decision.replica]
-            self.gw.policy.placed(decision)
-            extra = {"x-request-id": request_id, **ticket.headers}
-            if self.gw.config.decision_headers:
-                extra["x-prefix-router-replica"] = replica.url
-                extra["x-prefix-router-cached-blocks"] = str(decision.matched_blocks)
-                if ticket.why:
-                    extra["x-prefix-router-queued-ms"] = f"{ticket.queued_s * 1000:.0f}"
-            ticket.decided(
-                replica.url,
-                max(0, rr.num_tokens - decision.matched_blocks * rr.block_size),
-                self.gw.flow.expected_output(rr.max_tokens),
-            )
-            try:
-                await self.gw.ensure_adapter(rr, replica)  # a LoRA loaded at run time
-                resp, outcome = await self._send(
-                    request, rr, replica, decision, body, headers, extra, ticket
-                )
-            except UpstreamUnavailable as e:
-                tried.add(replica.url)
-                await self.gw.forget_unsent(rr, decision)
-                self.gw.metrics.retries.labels(replica.url, why_label(e.why)).inc()
-                self.gw.metrics.requests.labels(replica.url, decision.policy, "unavailable").inc()
-                await self.gw.fleet.record_failure(replica, e.why)
-                self.gw.sync_ring()
-                if len(tried) > self.gw.config.max_retries:
-                    raise APIError(
-                        502,
-                        f"upstream replica unavailable ({e.why}) after {len(tried)} attempts",
-                        code="upstream_unavailable",
-                    ) from e
-                log.info(
-                    "request %s: %s failed before the first byte (%s); retrying",
-                    request_id,
-                    replica.url,
-                    e.why,
-                )
-                continue
-            await self.gw.fleet.record_response(
-                replica,
-                outcome.status,
-                stream=rr.stream,
-                first_byte_s=outcome.first_byte_s,
-                completion_tokens=outcome.completion_tokens,
-            )
-            if rr.endpoint == "responses" and ticket.session:
-                self.gw.response_chains.learn(outcome.head, ticket.session)
-            # After the response is written (the next loop turn, before any new request).
-            asyncio.get_running_loop().call_soon(self.gw.learn, rr, decision, outcome)
-            return resp
-
-    async def _send(
-        self,
-        request: web.Request,
-        rr: RoutedRequest,
-        replica: Replica,
-        decision: Decision,
-        body: bytes,
-        headers: Any,
-        extra: dict[str, str],
-        ticket: Ticket,
-    ) -> tuple[web.StreamResponse, Outcome]:
-        """Forward with load accounting: in flight until done, pending prefill until the
-        first byte. Every counter raised here is lowered on every way out (the ``finally``
-        starts right after they are raised: nothing between may raise)."""
-        assert self.gw.fleet is not None
-        tokens, n = rr.max_tokens, rr.body.get("n")
-        if tokens is not None and type(n) is int and n > 1:
-            tokens *= n  # completion_tokens counts every choice
-        timeout = self.gw.fleet.first_byte_timeout(replica, rr.stream, tokens)
-        url = replica.url + PATHS[rr.endpoint]
-        uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
-        gauge = self.gw.metrics.child(self.gw.metrics.inflight, replica.url)
-        pending = True
-        sent_at = time.perf_counter()
-
-        def first_byte() -> None:
-            nonlocal pending
-            if pending:
-                pending = False
-                replica.pending_requests -= 1
-                replica.pending_prefill_tokens -= uncached
-                if rr.stream:
-                    ticket.observed(uncached, time.perf_counter() - sent_at)
-                ticket.first_byte()  # flow control: the replica's prefill slot is free
-
-        def exact_count(full: RoutedRequest) -> None:
-            """A lazy head counted its tail's estimate: the exact count, once known."""
-            nonlocal uncached
-            if pending:
-                exact = max(0, full.num_tokens - decision.matched_blocks * full.block_size)
-                replica.pending_prefill_tokens += exact - uncached
-                uncached = exact
-
-        replica.inflight += 1
-        replica.pending_requests += 1
-        replica.pending_prefill_tokens += uncached
-        gauge.inc()
-        try:
-            ticket.sent(uncached, rr.stream)  # flow control: when its prefill slot frees
-            if (tail := tail_of(rr)) is not None and tail.full is None:
-                tail.on_full.append(exact_count)
-            return await proxy(
-                self.gw.upstream,
-                request,
-                url,
-                body,
-                headers,
-                extra,
-                on_first_byte=first_byte,
-                on_sent=lambda: self.gw.record_placement(rr, decision),
-                stream_error=STREAM_ERROR_SHAPES[rr.endpoint],
-                headers_timeout=timeout,
-            )
-        except asyncio.CancelledError:
-            self.gw.metrics.client_disconnects.inc()
-            self.gw.metrics.requests.labels(replica.url, decision.policy, "client_gone").inc()
-            raise
-        finally:
-            first_byte()
-            replica.inflight -= 1
-            gauge.dec()
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.route(request, "chat")
@@ -356,7 +208,6 @@ class Handlers:
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
         tenant = self.identify(request)
-        assert self.gw.fleet is not None
         raw = await self.read_body(request, tenant=tenant)
         # The same bounded shapes as generation bodies: the replica renders and tokenizes
         # these messages too (deep nesting, lone surrogates, 100k messages are a 400 here).
@@ -366,38 +217,14 @@ class Handlers:
         if isinstance(model, str) and self.gw.models.alias(model) != model:
             model = self.gw.models.alias(model)  # the replicas know the served name only
             raw = json.dumps({**parsed, "model": model}).encode()
-        headers = request_headers(
-            request.headers,
-            request[REQUEST_ID],
-            self.gw.config.upstream_api_key,
-            not self.gw.config.auth,
-            self.gw.forward_allow,
+        job = ModelJob(
+            request.path,
+            raw,
+            self.upstream_headers(request),
+            model if isinstance(model, str) else None,
+            self.path.serving,
         )
-        tried: set[str] = set()
-        for _ in range(self.gw.config.max_retries + 1):
-            # The model's replicas (another model's would answer 404); any without one.
-            replicas = (
-                self.gw.serving(model, frozenset(tried))
-                if isinstance(model, str) and model
-                else [r for r in self.gw.fleet.healthy() if r.url not in tried]
-            )
-            if not replicas:
-                break
-            replica = min(replicas, key=lambda r: (r.inflight, r.url))
-            try:
-                resp, _ = await proxy(
-                    self.gw.upstream,
-                    request,
-                    replica.url + request.path,
-                    raw,
-                    headers,
-                    {"x-request-id": request[REQUEST_ID]},
-                )
-                return resp
-            except UpstreamUnavailable as e:
-                tried.add(replica.url)
-                await self.gw.fleet.record_failure(replica, e.why)
-        raise APIError(503, "no healthy replica is available", code="no_replica")
+        return await self.gw.forwarder.forward(request, request[REQUEST_ID], job)
 
     def _check_admin(self, request: web.Request) -> None:
         """The admin key, as ``X-Admin-Key`` or as a bearer token (what Prometheus'

@@ -2,7 +2,7 @@
 finish tokenizing it off the request's critical path.
 
 A request prepared lazily carries the head's ids and block hashes, ``tail_tokens`` (an
-estimate of the rest's count) and a ``Tail`` in ``extras["tail"]``. ``decide`` uses the head
+estimate of the rest's count) and a ``Tail`` (router/request.py) in ``tail``. ``decide`` uses the head
 only when the index shows a block of it that no candidate holds (``Tail.decides``): chained
 hashes mean none holds anything after it either, so the full hashes would match exactly the
 same counts. Otherwise it waits for the full ids (exact, just not lazy). Everything after the
@@ -13,12 +13,11 @@ is sent, before its placement is recorded; a large one in a worker thread.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from router.request import RoutedRequest
+from router.request import RoutedRequest, Tail
+
+__all__ = ["Tail", "latest", "pending", "policy_allows", "tail_of"]
 
 # Scorers whose terms are integers (token and request counts), so that with integral
 # weights every cost is an exactly represented integer and adding the same number to every
@@ -63,46 +62,8 @@ def policy_allows(policy: Any) -> str | None:
     return None
 
 
-@dataclass(eq=False)
-class Tail:
-    """The rest of a lazily prepared prompt, being tokenized in a worker thread."""
-
-    begin: Callable[[], asyncio.Future[Sequence[int]]]  # starts tokenizing the rest
-    head_blocks: int  # block hashes the head has
-    hashes_final: bool  # the head already has every hash there will be (max_hashed_blocks)
-    # The full ids computed in place, when the rest is small enough for the event loop
-    # (Renderer.loop_encode_chars): once the request is sent, no thread hand-off.
-    finish_inline: Callable[[], Sequence[int]] | None = None
-    full: RoutedRequest | None = None  # the request with every id and hash, once known
-    taken_back: set[str] = field(default_factory=set)  # replicas a placement was forgotten on
-    on_full: list[Callable[[RoutedRequest], None]] = field(default_factory=list)
-    _ids: asyncio.Future[Sequence[int]] | None = None
-
-    def ids(self) -> asyncio.Future[Sequence[int]]:
-        """The full prompt's ids, tokenized in a worker thread from the first call on: the
-        gateway calls it once the request is on its way (or when a decision needs them), so
-        the thread does not contend for the GIL with the request's own critical path."""
-        if self._ids is None:
-            self._ids = self.begin()
-        return self._ids
-
-    @property
-    def started(self) -> bool:
-        """Whether the worker thread was given the rest already."""
-        return self._ids is not None
-
-    def decides(self, matches: Mapping[str, int]) -> bool:
-        """Whether the head's hashes decide exactly: the longest match among the candidates
-        stops short of the head's last block (so the first block past it is one nobody
-        holds), or the head has every hash already."""
-        if self.hashes_final:
-            return True
-        return self.head_blocks > 0 and max(matches.values(), default=0) < self.head_blocks
-
-
 def tail_of(rr: RoutedRequest) -> Tail | None:
-    tail = rr.extras.get("tail")
-    return tail if isinstance(tail, Tail) else None
+    return rr.tail
 
 
 def latest(rr: RoutedRequest) -> RoutedRequest:

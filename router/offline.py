@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Iterator
 
+from router.api.convert import CONVERTERS
 from router.config import ConfigError, load_config
 from router.gateway import Gateway
 from router.loading import load_renderer, tokenizer_source
@@ -78,6 +79,7 @@ def offline_gateway(
     config = load_config(
         argparse.Namespace(config=config_file), tokenizer=tokenizer, block_size=block_size
     )
-    gateway = Gateway(config, load_renderer(tokenizer, model, config.max_prompt_chars))
+    renderer = load_renderer(tokenizer, model, config.max_prompt_chars)
+    gateway = Gateway(config, renderer, converters=CONVERTERS)
     gateway.tokenizer_source = tokenizer_source(tokenizer, model)
     return gateway

@@ -1,8 +1,9 @@
-"""Stopping background tasks."""
+"""Background tasks: spawning them, and stopping them."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 
@@ -21,3 +22,20 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
     for task in tasks:
         if task is not None and not task.cancelled():
             task.exception()  # retrieved: a crashed loop is not reported again at exit
+
+
+class Background:
+    """Fire-and-forget work of one gateway (index writes, a lazy tail's record), kept so
+    that stopping waits for it."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def wait(self) -> None:
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -57,7 +57,7 @@ def tenant_body(tenant: str, user: str, **extra: Any) -> dict[str, Any]:
 
 
 async def block_hashes(gw: Any, body: dict[str, Any]) -> list[int]:
-    rr = await gw.gateway.prepare(json.dumps(body).encode(), {}, "chat", "test")
+    rr = await gw.gateway.path.prepare(json.dumps(body).encode(), {}, "chat", "test")
     return list(rr.block_hashes)
 
 

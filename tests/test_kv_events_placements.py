@@ -32,7 +32,7 @@ from tests.test_kv_events import (
 
 
 async def prompt_blocks(gw: Any, b: dict[str, Any]) -> set[int]:
-    rr = await gw.gateway.prepare(json.dumps(b).encode(), {}, "chat", "test")
+    rr = await gw.gateway.path.prepare(json.dumps(b).encode(), {}, "chat", "test")
     return set(rr.block_hashes)
 
 

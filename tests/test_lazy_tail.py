@@ -142,7 +142,7 @@ def harness() -> Iterator[Harness]:
 def test_the_bundled_tokenizer_cuts_exactly(harness: Harness) -> None:
     backend = harness.renderer.tokenizer.backend_tokenizer
     assert cut_rule(backend) is None
-    assert policy_allows(harness.gw.policy) is None and harness.gw.lazy_tail
+    assert policy_allows(harness.gw.policy) is None and harness.gw.path.lazy_tail
 
 
 @settings(max_examples=150, deadline=None)
@@ -186,8 +186,8 @@ def test_lazy_decisions_and_records_equal_full_tokenization(
     """Both ways of finishing a head: on the loop once the request is sent (a small rest),
     and in a worker thread."""
     gw, renderer = harness.gw, harness.renderer
-    monkeypatch.setattr(gw, "_lazy_min_rest", lambda renderer: 0)  # every new turn may be lazy
-    monkeypatch.setattr(gw, "_tail_inline", lambda head, renderer: rest == "inline")
+    monkeypatch.setattr(gw.path, "_lazy_min_rest", lambda renderer: 0)  # every new turn may be lazy
+    monkeypatch.setattr(gw.path, "_tail_inline", lambda head, renderer: rest == "inline")
     seen = {"head": 0, "full": 0}
 
     @settings(
@@ -224,31 +224,31 @@ def test_lazy_decisions_and_records_equal_full_tokenization(
             replica = gw.fleet.replicas[url]
             replica.inflight, replica.pending_prefill_tokens = spec["inflight"], spec["pending"]
 
-        lazy = harness.run(gw.prepare(raw, {}, "chat", "lazy", tenant="t", lazy=True))
+        lazy = harness.run(gw.path.prepare(raw, {}, "chat", "lazy", tenant="t", lazy=True))
         before = copy.deepcopy(gw.index)
-        lazy_decision = harness.run(gw.decide(lazy))
+        lazy_decision = harness.run(gw.path.decide(lazy))
         tail = tail_of(lazy)
         if tail is not None:
             seen["full" if tail.full is not None else "head"] += 1
             assert (tail.finish_inline is not None) == (rest == "inline")
             assert list(lazy.token_ids) == ids[: len(lazy.token_ids)]
-        harness.run(gw.record_placement(lazy, lazy_decision))
+        harness.run(gw.path.record_placement(lazy, lazy_decision))
         harness.run(harness.drain())
         recorded_lazily = gw.index
 
         gw.index = before
-        full = harness.run(gw.prepare(raw, {}, "chat", "full", tenant="t"))
+        full = harness.run(gw.path.prepare(raw, {}, "chat", "full", tenant="t"))
         assert tail_of(full) is None and list(full.token_ids) == ids
-        decision = harness.run(gw.decide(full))
+        decision = harness.run(gw.path.decide(full))
         assert (lazy_decision.replica, lazy_decision.matched_blocks) == (
             decision.replica,
             decision.matched_blocks,
         )
-        completed = harness.run(gw.complete(lazy))
+        completed = harness.run(gw.path.complete(lazy))
         assert list(completed.token_ids) == ids
         assert completed.block_hashes == full.block_hashes
         assert completed.num_tokens == full.num_tokens
-        harness.run(gw.record_placement(full, decision))
+        harness.run(gw.path.record_placement(full, decision))
         for url in harness.urls:
             got = recorded_lazily._replicas.get(url)
             want = gw.index._replicas.get(url)
@@ -273,10 +273,10 @@ def test_a_head_is_taken_only_past_enough_new_text(
     long_ = body(SYSTEMS[0], [], "refund policy " * 200, None)  # 2,800 new characters
 
     def lazily(raw: bytes, min_rest: int) -> RoutedRequest:
-        monkeypatch.setattr(gw, "_lazy_min_rest", lambda renderer: min_rest)
+        monkeypatch.setattr(gw.path, "_lazy_min_rest", lambda renderer: min_rest)
         renderer.clear_cache()
-        harness.run(gw.prepare(short, {}, "chat", "warm", tenant="t"))  # system prompt cached
-        return harness.run(gw.prepare(raw, {}, "chat", "l", tenant="t", lazy=True))
+        harness.run(gw.path.prepare(short, {}, "chat", "warm", tenant="t"))  # system prompt cached
+        return harness.run(gw.path.prepare(raw, {}, "chat", "l", tenant="t", lazy=True))
 
     assert tail_of(lazily(short, 0)) is None
     whole = lazily(long_, 3000)
@@ -289,7 +289,7 @@ def test_a_head_is_taken_only_past_enough_new_text(
     # than a block of the new turn: the block that straddles the two is in the head
     assert len(rr.token_ids) - (len(harness.ids(short)) - 7) > BLOCK
     assert rr.num_tokens > len(rr.token_ids)
-    harness.run(gw.complete(rr))
+    harness.run(gw.path.complete(rr))
 
 
 def _sample(text: str, name: str) -> float:

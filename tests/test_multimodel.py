@@ -208,7 +208,7 @@ async def test_fleet_mode_two_gateways_per_model(fleet: Fleet, redis_server: Red
                 # A prefix placed through one gateway is predicted by the other, exactly.
                 b = body(model, "shared question", f"Fleet prompt of {model}. " + LONG_SYSTEM)
                 first, _, _ = await send(s, gws[0], b)
-                rr = await gws[1].gateway.prepare(json.dumps(b).encode(), {}, "chat", "t")
+                rr = await gws[1].gateway.path.prepare(json.dumps(b).encode(), {}, "chat", "t")
 
                 async def shared(rr: Any = rr, first: str = first) -> bool:
                     urls = [first]

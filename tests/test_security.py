@@ -85,7 +85,7 @@ async def _prepare_cpu(gw: Any, body: dict[str, Any], tenant: str) -> float:
     request of ``tenant``: what a client can time from outside."""
     raw = json.dumps(body).encode()
     t0 = time.process_time()
-    await gw.gateway.prepare(raw, bearer(tenant), "chat", "timing")
+    await gw.gateway.path.prepare(raw, bearer(tenant), "chat", "timing")
     return time.process_time() - t0
 
 
@@ -287,7 +287,7 @@ async def test_internal_error_logs_one_line(fleet, gateway, caplog, monkeypatch)
 
         return down(0)
 
-    monkeypatch.setattr(gw.gateway, "_admit", deep)
+    monkeypatch.setattr(gw.gateway.path, "_admit", deep)
     caplog.set_level(logging.INFO, logger="prefix_router")
     async with aiohttp.ClientSession() as s:
         status, _, answer = await post(s, gw.url + "/v1/chat/completions", chat_body("x"))

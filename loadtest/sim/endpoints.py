@@ -22,6 +22,8 @@ class Endpoints:
         self.r = replica
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        self.r.faults.check()  # armed faults hit /tokenize too (a gateway forwards it)
+        await self.r.faults.hang()
         body, size = await read_json(request)
         self.r.resolve_model(body)
         want_strs = bool(opt_bool(body, "return_token_strs"))

@@ -187,11 +187,11 @@ class SimReplica:
         self.stats["adapters_loaded"] = self.stats.get("adapters_loaded", 0) + 1
 
     def fail_next(self, n: int, status: int = 503) -> None:
-        """The next ``n`` generation requests answer ``status`` before any byte."""
+        """The next ``n`` generation (or /tokenize) requests answer ``status`` before any byte."""
         self.faults.fail_next(n, status)
 
     def hang_next(self, n: int) -> None:
-        """The next ``n`` generation requests are accepted and never answered, until the
+        """The next ``n`` generation (or /tokenize) requests are accepted and never answered, until the
         client drops the connection or the replica stops (a wedged server)."""
         self.faults.hang_next(n)
 

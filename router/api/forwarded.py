@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
 from router.errors import APIError, bad_request
-from router.forward import UpstreamUnavailable, proxy, request_headers
+from router.fleet import Fleet
+from router.forwarding import Attempt, Job, least_loaded
 
 if TYPE_CHECKING:
     from router.handlers import Handlers
@@ -61,56 +62,39 @@ async def _read(handlers: Handlers, request: web.Request, tenant: str) -> tuple[
     return await handlers.read_body(request, tenant=tenant), "application/json"
 
 
+class _Forwarded(Job):
+    """A forwarded request: to the least-loaded replica serving the body's model (any
+    healthy one for an upload, which names none)."""
+
+    def __init__(
+        self, handlers: Handlers, path: str, raw: bytes, headers: Any, model: str | None
+    ) -> None:
+        super().__init__(path, raw, headers)
+        self.handlers = handlers
+        self.model = model
+
+    async def pick(self, fleet: Fleet, tried: frozenset[str]) -> Attempt | None:
+        if self.model is None:
+            return await super().pick(fleet, tried)
+        replica = least_loaded(self.handlers.path.serving(self.model, tried))
+        return Attempt(replica) if replica is not None else None
+
+
 async def forward_post(
     handlers: Handlers, request: web.Request, request_id: str
 ) -> web.StreamResponse:
     gateway = handlers.gw
     tenant = handlers.identify(request)
-    assert gateway.fleet is not None
     raw, content_type = await _read(handlers, request, tenant)
     model = _model_of(raw, content_type.lower())
     if model is not None and gateway.models.alias(model) != model:
         # An alias (router/models/): the replicas know the served name only.
         model = gateway.models.alias(model)
         raw = json.dumps({**json.loads(raw), "model": model}).encode()
-    headers = request_headers(
-        request.headers,
-        request_id,
-        gateway.config.upstream_api_key,
-        not gateway.config.auth,
-        gateway.forward_allow,
-    )
+    headers = handlers.upstream_headers(request)
     headers["Content-Type"] = content_type
-    tried: set[str] = set()
-    last = "no healthy replica is available"
-    for _ in range(gateway.config.max_retries + 1):
-        if model is None:
-            replicas = [r for r in gateway.fleet.healthy() if r.url not in tried]
-            if not replicas:
-                break
-        else:
-            replicas = gateway.serving(model, frozenset(tried))
-        replica = min(replicas, key=lambda r: (r.inflight, r.url))
-        replica.inflight += 1
-        try:
-            resp, _ = await proxy(
-                gateway.upstream,
-                request,
-                replica.url + request.path_qs,
-                raw,
-                headers,
-                {"x-request-id": request_id},
-            )
-            return resp
-        except UpstreamUnavailable as e:
-            tried.add(replica.url)
-            last = f"upstream replica unavailable ({e.why})"
-            await gateway.fleet.record_failure(replica, e.why)
-        finally:
-            replica.inflight -= 1
-    raise APIError(
-        502 if tried else 503, last, code="upstream_unavailable" if tried else "no_replica"
-    )
+    job = _Forwarded(handlers, request.path_qs, raw, headers, model)
+    return await gateway.forwarder.forward(request, request_id, job)
 
 
 async def forward_get(handlers: Handlers, request: web.Request, request_id: str) -> web.Response:
@@ -121,6 +105,7 @@ async def forward_get(handlers: Handlers, request: web.Request, request_id: str)
     headers = {"X-Request-Id": request_id}
     if gateway.config.upstream_api_key:
         headers["Authorization"] = f"Bearer {gateway.config.upstream_api_key}"
+    # Least loaded first (the order ``least_loaded`` picks in).
     for replica in sorted(gateway.fleet.healthy(), key=lambda r: (r.inflight, r.url)):
         try:
             async with gateway.session.get(

@@ -2,10 +2,12 @@
 registered on the gateway's app by ``register`` (one line in ``build_app``).
 
 Both APIs are routed like chat (``Handlers.route``: their bodies are rendered through their
-converters, router/api/convert.py); only the errors' shape and the Responses store differ."""
+converters, router/api/convert.py, which the app hands to the request path); only the
+errors' shape and the Responses store differ."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -48,7 +50,7 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         redis=lambda: gateway.fleet_mode.redis if gateway.fleet_mode is not None else None,
         namespace=gateway.config.redis_prefix,
     )
-    gateway.observers.append(_LearnResponseIds(gateway, ids))
+    gateway.watch(_LearnResponseIds(gateway, ids))
 
     async def messages(request: web.Request) -> web.StreamResponse:
         try:
@@ -66,12 +68,14 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         request_id = request[REQUEST_ID]
         tenant = routes.identify(request)
         raw = await routes.read_body(request, tenant=tenant)
-        rr = await gateway.prepare(raw, request.headers, "responses", request_id, tenant, lazy=True)
+        rr = await routes.path.prepare(
+            raw, request.headers, "responses", request_id, tenant, lazy=True
+        )
         previous = rr.body.get("previous_response_id")
         if isinstance(previous, str):
             replica = await ids.lookup(previous)
             if replica is not None:  # gone or unknown: routed as usual; vLLM answers 404
-                rr.extras["pinned_replica"] = replica
+                rr = dataclasses.replace(rr, pinned_replica=replica)
         return await routes.route_prepared(request, rr)
 
     async def post(request: web.Request) -> web.StreamResponse:

@@ -7,7 +7,7 @@ prompt that breaks the prefix with a **first-divergence histogram**.
 
 Three ways in: ``GET /admin/diagnostics`` (live, ``LiveDiagnostics`` watches every finished
 request), ``prefix-router diagnose FILE`` (offline, on captured request bodies, tokenized by the
-gateway's own ``Gateway.prepare``), and :func:`analyze` (a pure function over a sequence of
+gateway's own ``RequestPath.prepare``), and :func:`analyze` (a pure function over a sequence of
 :class:`Sample`).
 
 Quantities (all in prompt tokens, per request; rates are sums over the window / prompt tokens)

@@ -1,5 +1,5 @@
 """``prefix-router diagnose FILE``: the report for captured request bodies, tokenized by
-the gateway's own ``Gateway.prepare`` (no replica needed)."""
+the gateway's own ``RequestPath.prepare`` (no replica needed)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Explain a low prefix-cache hit rate from captured request bodies (JSON "
         "lines of OpenAI chat/completions bodies, in arrival order): the ideal hit rate, the "
         "first-divergence histogram with the culprit lines, and reordering suggestions. "
-        "Tokenized exactly as the live gateway does (Gateway.prepare).",
+        "Tokenized exactly as the live gateway does (RequestPath.prepare).",
     )
     p.add_argument("file", help="JSON-lines file of request bodies ('-': standard input)")
     p.add_argument(
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 body = json.loads(line)
                 endpoint = endpoint_of(body)
-                rr = await gateway.prepare(
+                rr = await gateway.path.prepare(
                     line.encode(), {}, endpoint, f"line-{n}-{uuid.uuid4().hex[:6]}"
                 )
             except ValueError as e:

@@ -167,5 +167,5 @@ def attach(gateway: Gateway) -> LiveDiagnostics:
         if isinstance(observer, LiveDiagnostics):
             return observer
     diag = LiveDiagnostics(gateway)
-    gateway.observers.append(diag)
+    gateway.watch(diag)
     return diag

@@ -43,16 +43,30 @@ class Pipeline:
         # Whether a decision needs the index lookup (matched blocks) at all.
         self.uses_index = any(getattr(p, "uses_index", False) for p in plugins)
         self._tracks_recent = any(getattr(p, "uses_recent", False) for p in plugins)
-        # Plugins that keep their own history of placements (``placed(decision, now)``).
+        # The request lifecycle hooks plugins declare: before send (``placed``), first
+        # byte, done.
         self._placers = [p for p in plugins if hasattr(p, "placed")]
+        self._first_byte = [p for p in plugins if hasattr(p, "first_byte")]
+        self._done = [p for p in plugins if hasattr(p, "done")]
         self.recent = RecentCounts()
 
     def placed(self, decision: Decision) -> None:
-        """The request was sent as decided (not called for explain)."""
+        """The request is being sent as decided (not called for explain)."""
         if self._tracks_recent:
             self.recent.add(decision.replica)
         for p in self._placers:
             p.placed(decision, self.recent.clock())
+
+    def first_byte(self, decision: Decision) -> None:
+        """The replica's first bytes arrived (a stream's: the end of its prefill)."""
+        for p in self._first_byte:
+            p.first_byte(decision, self.recent.clock())
+
+    def done(self, decision: Decision, status: int | None) -> None:
+        """The attempt at ``decision.replica`` ended: ``status`` is the replica's answer,
+        None when there was none (it failed before the first byte, or the client left)."""
+        for p in self._done:
+            p.done(decision, status, self.recent.clock())
 
     def describe(self) -> dict[str, Any]:
         """The profile, for explain and docs."""

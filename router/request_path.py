@@ -1,0 +1,669 @@
+"""The request path of one gateway, up to and after forwarding:
+
+    prepare (parse -> tenancy -> prompt -> blocks) -> decide (schedule) -> [forward] -> learn
+
+``prepare`` and ``decide`` need no HTTP request: the live handlers (router/handlers.py) and
+the explain endpoint both call them, so nothing is re-implemented for explaining. What the
+path needs of a request's model (its renderer, block size and replicas) comes from
+``served`` and ``serving``; the fleet, index and ring from ``FleetWiring`` (router/wiring.py).
+Forwarding lives in router/forwarding.py, the HTTP surface in router/handlers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from router import blocks, lazy_tail
+from router.config import Config
+from router.errors import APIError, bad_request
+from router.fleet import Replica
+from router.flow.controller import FlowConfig, FlowController, FlowRequest, Ticket
+from router.flow.sessions import ResponseChains, session_of
+from router.forward import Outcome, UpstreamUnavailable
+from router.limits import BodyLimits, check_fits
+from router.metrics import Metrics
+from router.models import ModelEntry, ModelRegistry, Route, fallback
+from router.parse import parse_body, parse_json_object
+from router.prompt import NeedsThread, Renderer, segments
+from router.prompt.lazy import Head
+from router.request import Endpoint, RoutedRequest, Tail
+from router.schedule import Decision, Pipeline, from_config
+from router.schedule.observed import is_wait_sample
+from router.tenancy import SaltDecision, Tenancy
+from router.wiring import FleetWiring
+
+log = logging.getLogger("prefix_router")
+
+DEFAULT_BLOCK_SIZE = 16
+APP_HEADER = "X-Prefix-Router-App"  # optional client label that diagnostics group by
+# More new text than this is tokenized in a worker thread (~1 ms with Hugging Face's BPE;
+# Renderer.loop_encode_chars raises it where a thread cannot help).
+INLINE_UNCACHED_CHARS = 4096
+LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a thread
+
+# The chat body vLLM renders for another API's body (router/api/convert.py has them): the
+# API layer hands them in, so this layer never imports it.
+ChatConverter = Callable[[dict[str, Any]], dict[str, Any]]
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+class Observer(Protocol):
+    """Watches every finished request (live diagnostics, the Responses store, precise
+    mode's placements)."""
+
+    def observe(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """A parsed request whose model is served and whose salt is decided."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]  # as it will be forwarded (the salt policy applied)
+    client_body: dict[str, Any]  # as the client sent it
+    model: str
+    lora: str | None
+    salt: SaltDecision
+    entry: ModelEntry  # the model's registry entry (router/models/)
+    chat: dict[str, Any] | None = None  # the chat body rendered, for every API but completions
+
+
+def _loop_encode_chars(renderer: Renderer) -> int:
+    return renderer.loop_encode_chars(INLINE_UNCACHED_CHARS)
+
+
+def _finish(renderer: Renderer, head: Head, salt: str | None) -> Sequence[int]:
+    """A head's full ids, in a worker thread (the segment cache scoped as in prepare)."""
+    with renderer.cache_scope(salt):
+        return head.finish()
+
+
+class RequestPath:
+    """Prepare, decide, record and learn, for every request of one gateway."""
+
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        wiring: FleetWiring,
+        executor: ThreadPoolExecutor,
+        spawn: Spawn,
+        renderer: Renderer | None = None,
+        converters: Mapping[Endpoint, ChatConverter] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.wiring = wiring
+        self.executor = executor
+        self.spawn = spawn
+        self.tenancy = Tenancy(config)
+        self.limits = BodyLimits.from_config(config)
+        self.renderer = renderer  # --tokenizer's (or one handed in): see ModelRegistry
+        self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        # Per served model: renderer, block size, replicas, drift (router/models/).
+        self.models = ModelRegistry(
+            config.models,
+            config.model_aliases,
+            flag_tokenizer=config.tokenizer,
+            flag_block_size=config.block_size,
+            injected=renderer,
+            max_prompt_chars=config.max_prompt_chars,
+        )
+        self.models_ready = False  # start-up loaded the registry's tokenizers
+        self.converters = dict(converters or {})
+        self.chain_cache = blocks.ChainCache()
+        self.policy: Pipeline = from_config(config, wiring.ring)  # schedule + policy flags
+        # Route on a prompt's head and tokenize the rest off the critical path
+        # (router/lazy_tail.py), where the policy provably decides the same.
+        why_not = lazy_tail.policy_allows(self.policy)
+        self.lazy_tail = config.lazy_tail and why_not is None
+        if config.lazy_tail and why_not is not None:
+            log.info("lazy tail off: %s", why_not)
+        self.observers: list[Observer] = []
+        # Flow control (router/flow/): fair queuing per tenant while the replicas are full.
+        self.flow = FlowController(
+            FlowConfig.from_config(config), self._flow_replicas, metrics.registry
+        )
+        self.response_chains = ResponseChains()  # Responses chains as one session each
+
+    def served(self, name: Any) -> Route:
+        """The registry entry a body's ``model`` names (aliases applied), or the error that
+        says why none serves it. Offline (no fleet): the renderer handed in, for any name."""
+        name = name if isinstance(name, str) else None
+        fleet = self.wiring.opened
+        if fleet is None:
+            name = name or self.models.offline_default()
+            return self.models.offline(name, self.renderer, self.block_size)
+        route = self.models.resolve(name)
+        if route is None:
+            self.serving(self.models.alias(name) if name else (fleet.base_model() or ""))
+            self.refresh_models()  # served, but the registry has not seen it yet
+            route = self.models.resolve(name)
+        if route is None:  # not in the registry yet: by load and the text prefix meanwhile
+            return self.models.offline(name or "", None, self.block_size)
+        return route
+
+    # -- the model registry's upkeep (start-up loads it: Gateway._start) --------------------
+    def model_loaded(self, entry: ModelEntry) -> None:
+        if entry.renderer is not None:
+            # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
+            entry.renderer.max_chars_per_token()
+        self.metrics.model_info.labels(
+            entry.name, entry.basis, entry.tokenizer_origin, str(entry.block_size)
+        ).set(1)
+
+    def block_size_of(self, replica: str) -> int:
+        """The block size of the model ``replica`` serves (KV events are checked against it)."""
+        entry = self.models.entry_of_replica(replica)
+        return entry.block_size if entry is not None else self.block_size
+
+    def namespace_of(self, replica: str) -> str | None:
+        """The index namespace of the model ``replica`` serves (router/models/)."""
+        entry = self.models.entry_of_replica(replica)
+        if entry is not None:
+            return entry.namespace
+        default = self.models.default()
+        return default.namespace if default is not None else None
+
+    def refresh_models(self) -> None:
+        """Replicas came, went or reported: rebuild the registry, and load a new model's
+        tokenizer off the event loop (its requests use the text prefix until it is in)."""
+        fleet = self.wiring.opened
+        if fleet is None:
+            return
+        new = self.models.refresh(fleet.replicas.values())
+        if self.models_ready:  # during start-up, Gateway._start loads them
+            for name in new:
+                self.spawn(self._load_later(name))
+
+    async def _load_later(self, name: str) -> None:
+        entry = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.models.load, name
+        )
+        self.model_loaded(entry)
+
+    def _chat_body(self, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The chat body rendered for ``body``; None for completions (a prompt)."""
+        if endpoint == "chat":
+            return body
+        if endpoint == "completions":
+            return None
+        convert = self.converters.get(endpoint)
+        if convert is None:
+            raise bad_request(f"this gateway does not serve the {endpoint} API")
+        return convert(body)
+
+    async def prepare(
+        self,
+        raw: bytes,
+        headers: Mapping[str, str],
+        endpoint: Endpoint,
+        request_id: str,
+        tenant: str | None = None,
+        lazy: bool = False,
+    ) -> RoutedRequest:
+        """Identify the tenant, parse, apply the salt policy, tokenize and hash. Needs no
+        replica: ``prefix-router explain`` runs it offline. ``tenant``: already identified
+        (from the headers, before the body was read). ``lazy``: a live request may come back
+        as a head whose tail is still being tokenized (router/lazy_tail.py)."""
+        if tenant is None:
+            tenant = self.tenancy.identify(headers)
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        token_ids: Sequence[int] | Head
+        if len(raw) > LARGE_BODY_BYTES:
+            # Parsing, normalising and rendering a big body is pure Python: in a thread the
+            # interpreter hands the event loop the GIL every few ms, so /health and other
+            # requests keep being answered meanwhile.
+            admitted, token_ids = await loop.run_in_executor(
+                self.executor, self._admit_and_tokenize, raw, endpoint, tenant
+            )
+        else:
+            admitted = self._admit(raw, endpoint, tenant)
+            renderer = admitted.entry.renderer
+            try:
+                if renderer is None:  # no tokenizer for this model: the text prefix
+                    token_ids = self._tokenize(admitted)
+                else:
+                    # Cached segments cost microseconds: tokenize in place, and hand a prompt
+                    # with a lot of new text to a thread (the Rust tokenizer releases the GIL).
+                    with renderer.inline(_loop_encode_chars(renderer)):
+                        if lazy and self.lazy_tail:
+                            token_ids = self._tokenize_lazy(admitted, renderer)
+                        else:
+                            token_ids = self._tokenize(admitted)
+            except NeedsThread:
+                token_ids = await loop.run_in_executor(self.executor, self._tokenize, admitted)
+        body, salt, entry = admitted.body, admitted.salt, admitted.entry
+        head, ids = (token_ids, token_ids.ids) if isinstance(token_ids, Head) else (None, token_ids)
+        hashes = self._hashes(ids, admitted.lora, salt.salt, entry)
+        tail = None
+        if head is not None and entry.renderer is not None:  # the rest: once it is on its way
+            finish = functools.partial(_finish, entry.renderer, head, salt.salt)
+            begin = functools.partial(loop.run_in_executor, self.executor, finish)
+            limit = self.config.max_hashed_blocks
+            capped = limit is not None and len(hashes) >= limit
+            inline = finish if self._tail_inline(head, entry.renderer) else None
+            tail = Tail(begin, len(hashes), capped, inline)
+        self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
+        limits = admitted.chat if admitted.chat is not None else body
+        max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
+        app_label = headers.get(APP_HEADER) or None
+        return RoutedRequest(
+            request_id=request_id,
+            endpoint=endpoint,
+            model=admitted.model,
+            tenant=tenant,
+            body=body,
+            stream=bool(body.get("stream", False)),
+            token_ids=ids,
+            block_size=entry.block_size,
+            block_hashes=hashes,
+            cache_salt=salt.salt,
+            lora=admitted.lora,
+            salt_policy=salt.policy,
+            app_label=app_label[:64] if app_label else None,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            tail_tokens=head.estimated_tokens() if head is not None else 0,
+            raw=raw if body is admitted.client_body else None,  # forwarded as they came
+            tail=tail,
+            model_entry=entry,
+        )
+
+    async def parse_json(self, raw: bytes) -> dict[str, Any]:
+        """``raw`` parsed as a JSON object (a 400 otherwise); a large body off the loop."""
+        if len(raw) > LARGE_BODY_BYTES:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, parse_json_object, raw)
+        return parse_json_object(raw)
+
+    def _hashes(
+        self, token_ids: Sequence[int], lora: str | None, salt: str | None, entry: ModelEntry
+    ) -> list[int]:
+        # The model's own block size, and its namespace: no two models share an index key.
+        return self.chain_cache.block_hashes(
+            token_ids,
+            entry.block_size,
+            cache_salt=salt,
+            lora=lora,
+            max_blocks=self.config.max_hashed_blocks,
+            namespace=entry.namespace,
+        )
+
+    async def complete(self, rr: RoutedRequest) -> RoutedRequest:
+        """``rr`` with every id and block hash: waits for a lazy head's tail."""
+        tail = rr.tail
+        if tail is None or tail.full is not None:
+            return lazy_tail.latest(rr)
+        if tail.finish_inline is not None and not tail.started:
+            ids = tail.finish_inline()  # a small rest: no thread hand-off
+        else:
+            ids = await asyncio.shield(tail.ids())
+        if tail.full is None:
+            head = rr.token_ids
+            if ids[: len(head)] != head:  # cannot happen (tests/test_lazy_tail.py): stay safe
+                log.error("lazy tail: a head was not a prefix of its prompt; lazy tail off")
+                self.lazy_tail = False
+            assert rr.model_entry is not None
+            hashes = self._hashes(ids, rr.lora, rr.cache_salt, rr.model_entry)
+            tail.full = dataclasses.replace(rr, token_ids=ids, block_hashes=hashes, tail_tokens=0)
+            for hook in tail.on_full:
+                hook(tail.full)
+        return tail.full
+
+    def _admit(self, raw: bytes, endpoint: Endpoint, tenant: str) -> _Admitted:
+        """Parse the body, check that some replica serves its model, and decide its salt:
+        everything that comes before tokenizing. A request for a model nobody serves is
+        refused here, so it cannot be used to time the tokenizer's caches for free."""
+        body = client_body = parse_body(raw, endpoint, self.limits)
+        route = self.served(body.get("model"))
+        model, lora, entry = route.model, route.lora, route.entry
+        fleet = self.wiring.opened
+        if fleet is not None:
+            self.serving(model, entry=entry, lora=lora)
+        if route.alias_of is not None:  # the replicas know the served name only
+            body = dict(body)
+            body["model"] = model
+        if fleet is not None and entry.renderer is not None:
+            # What cannot fit the context is refused before rendering.
+            card = fleet.card(model) or {}
+            check_fits(body, card.get("max_model_len"), entry.renderer.max_chars_per_token())
+        chat = self._chat_body(endpoint, body)
+        salt = self.tenancy.salt(
+            tenant, body.get("cache_salt"), chat.get("messages") if chat is not None else None
+        )
+        if salt.salt != body.get("cache_salt"):
+            body = dict(body)
+            if salt.salt is None:
+                body.pop("cache_salt", None)
+            else:
+                body["cache_salt"] = salt.salt
+            if endpoint == "chat":
+                chat = body
+        return _Admitted(endpoint, body, client_body, model, lora, salt, entry, chat)
+
+    def _tokenize_lazy(self, admitted: _Admitted, renderer: Renderer) -> Sequence[int] | Head:
+        """``_tokenize``, or for a chat prompt with new text a head (router/lazy_tail.py)."""
+        if admitted.chat is None:
+            return self._tokenize(admitted)
+        with renderer.cache_scope(admitted.salt.salt):
+            return renderer.chat_head(
+                admitted.chat, admitted.entry.block_size, self._lazy_min_rest(renderer)
+            )
+
+    def _lazy_min_rest(self, renderer: Renderer) -> int:
+        """Below this much text from the first new segment on, a head is not worth its
+        overhead (a second pass, the hand-off, ~0.2 ms a request): with fastokens, the rest
+        the loop would encode in place anyway; with Hugging Face's BPE (~2.5 ms per 1,000
+        tokens), any rest."""
+        return _loop_encode_chars(renderer) if renderer.fast_encoder else 0
+
+    def _tail_inline(self, head: Head, renderer: Renderer) -> bool:
+        """Whether a head's rest is small enough to tokenize on the loop once it is sent."""
+        return head.rest_chars <= _loop_encode_chars(renderer)
+
+    def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
+        renderer = admitted.entry.renderer
+        if renderer is None:  # router/models/fallback.py: labelled text_prefix
+            return fallback.prompt_ids(admitted.chat, admitted.body)
+        # The segment cache is scoped like the replicas' prefix caches: by the salt sent;
+        # new text is encoded within a CPU budget, and stops once it cannot fit the context.
+        budget = segments.budget(self.config.max_tokenize_cpu_s, self._max_prompt_tokens(admitted))
+        with renderer.cache_scope(admitted.salt.salt), budget:
+            if admitted.chat is not None:
+                return renderer.chat_ids(admitted.chat)
+            # Honours add_special_tokens and truncation; a batch routes on its first prompt.
+            return renderer.completion_request_ids(admitted.body)[0]
+
+    def _max_prompt_tokens(self, admitted: _Admitted) -> int | None:
+        """The model's context (from the replicas' model cards): a longer prompt is refused
+        anyway. None when unknown, or when the request asks vLLM to truncate it."""
+        chat = admitted.chat or {}
+        fleet = self.wiring.opened
+        if fleet is None or "truncate_prompt_tokens" in {**admitted.body, **chat}:
+            return None
+        n = (fleet.card(admitted.model) or {}).get("max_model_len")
+        if n is None:
+            n = admitted.entry.max_model_len  # an adapter's card has none: its base's
+        return n if type(n) is int and n > 0 else None
+
+    def _admit_and_tokenize(
+        self, raw: bytes, endpoint: Endpoint, tenant: str
+    ) -> tuple[_Admitted, Sequence[int]]:
+        admitted = self._admit(raw, endpoint, tenant)
+        return admitted, self._tokenize(admitted)
+
+    def serving(
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        entry: ModelEntry | None = None,
+        lora: str | None = None,
+    ) -> list[Replica]:
+        """The replicas that can take a request for ``model`` (those of its registry entry's
+        routed group: replicas kept apart only when none of those can), or the error that
+        says why none can. An adapter no replica has, where runtime loading is allowed: its
+        base model's replicas (the chosen one loads it, ``ensure_adapter``)."""
+        fleet = self.wiring.fleet
+        replicas = [r for r in fleet.serving(model) if r.url not in exclude]
+        if not replicas and lora is not None and self._may_load(lora):
+            base = entry.name if entry is not None else ""
+            replicas = [r for r in fleet.serving(base) if r.url not in exclude]
+        if entry is not None and entry.replicas:
+            routed = set(entry.replicas)
+            replicas = [r for r in replicas if r.url in routed] or replicas
+        if not replicas:
+            if not fleet.healthy():
+                raise APIError(503, "no healthy replica is available", code="no_replica")
+            if exclude:
+                raise APIError(
+                    502, "every replica that serves this model failed", code="upstream_failed"
+                )
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return replicas
+
+    # -- flow control (router/flow/): a ticket before forwarding ----------------------------
+    def _flow_replicas(self, model: str) -> list[Replica]:
+        fleet = self.wiring.opened
+        return fleet.serving(model) if fleet is not None else []
+
+    def flow_request(self, rr: RoutedRequest, headers: Mapping[str, str]) -> FlowRequest:
+        """What flow control reads of a prepared request: its tenant's weight and band from
+        the tenancy table, its session where the client names one."""
+        return FlowRequest(
+            model=rr.model,
+            tenant=rr.tenant,
+            session=session_of(rr.endpoint, rr.body, headers, self.response_chains),
+            settings=self.tenancy.policy_of(rr.tenant).flow,
+            prompt_tokens=rr.num_tokens,
+            max_tokens=rr.max_tokens,
+            stream=rr.stream,
+        )
+
+    async def admit(self, rr: RoutedRequest, headers: Mapping[str, str]) -> Ticket:
+        """Flow control's ticket for ``rr`` (at once unless the fleet is saturated), or a
+        429 ``APIError``."""
+        return await self.flow.admit(self.flow_request(rr, headers), lambda: self.uncached(rr))
+
+    async def uncached(self, rr: RoutedRequest) -> tuple[int, tuple[str, ...]]:
+        """Prompt tokens the best-placed replica would prefill, and the replicas holding that
+        much: the scheduler's prefix match (the index lookup a decision makes), without a
+        decision."""
+        replicas = self._flow_replicas(rr.model)
+        if not replicas or not self.policy.uses_index:
+            return rr.num_tokens, ()
+        matches = await self.wiring.index.match(rr.block_hashes, [r.url for r in replicas])
+        best = min(
+            max(matches.values(), default=0), blocks.cacheable_blocks(rr.num_tokens, rr.block_size)
+        )
+        holders = tuple(url for url, m in matches.items() if best and min(m, best) == best)
+        return max(0, rr.num_tokens - best * rr.block_size), holders
+
+    async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        t0 = time.perf_counter()
+        replicas = self.serving(rr.model, exclude, rr.model_entry, rr.lora)
+        if rr.pinned_replica is not None:  # holds the state the request names
+            replicas = [r for r in replicas if r.url == rr.pinned_replica] or replicas
+        urls = [r.url for r in replicas]
+        rr = lazy_tail.latest(rr)
+        matches = (
+            await self.wiring.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
+        )
+        tail = rr.tail
+        if tail is not None and tail.full is None:
+            on_head = tail.decides(matches)
+            self.metrics.lazy_tail.labels("head" if on_head else "full").inc()
+            if not on_head:  # a match reaches the head's end: wait for the rest (exact)
+                rr = await self.complete(rr)
+                if self.policy.uses_index:
+                    matches = await self.wiring.index.match(rr.block_hashes, urls)
+        decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
+        rr.adapter_load.clear()
+        if rr.lora is not None:
+            fleet = self.wiring.opened
+            chosen = fleet.replicas.get(decision.replica) if fleet else None
+            if chosen is not None and not chosen.has_model(rr.lora):
+                rr.adapter_load.update(
+                    replica=decision.replica,
+                    adapter=rr.lora,
+                    path=self.models.loadable_adapters[rr.lora][1],
+                )
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        return decision
+
+    def _may_load(self, adapter: str) -> bool:
+        return self.config.lora_runtime_loading and adapter in self.models.loadable_adapters
+
+    async def ensure_adapter(self, rr: RoutedRequest, replica: Replica) -> None:
+        """Load the request's LoRA adapter on ``replica`` first, when ``decide`` chose one
+        without it (vLLM's /v1/load_lora_adapter). A failure is the replica's: retried
+        elsewhere as any failure before the first byte."""
+        load = rr.adapter_load
+        if not load or load["replica"] != replica.url or replica.has_model(load["adapter"]):
+            return
+        session, fleet = self.wiring.session, self.wiring.fleet
+        assert session is not None
+        entry = rr.model_entry
+        model = entry.name if entry is not None else ""
+        headers = dict(fleet.headers)
+        payload = {"lora_name": load["adapter"], "lora_path": load["path"]}
+        try:
+            async with session.post(
+                replica.url + "/v1/load_lora_adapter",
+                json=payload,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_floor_s),
+            ) as resp:
+                text = await resp.text()
+                ok = resp.status == 200 or "already been loaded" in text
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ok, text = False, f"{type(e).__name__}: {e}"
+        self.metrics.adapter_loads.labels(model, load["adapter"], "ok" if ok else "failed").inc()
+        if not ok:
+            log.warning(
+                "loading LoRA adapter %s on %s failed: %s", load["adapter"], replica.url, text[:200]
+            )
+            raise UpstreamUnavailable(f"load_lora_adapter: {text[:80]}")
+        log.info("loaded LoRA adapter %s on %s", load["adapter"], replica.url)
+        replica.models[load["adapter"]] = model
+        self.refresh_models()
+
+    async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
+        """The replica failed before computing the blocks recorded for it: take back what
+        was new to it."""
+        rr = await self.complete(rr)  # a retry: rare, and the tail must not re-record
+        if (tail := rr.tail) is not None:
+            tail.taken_back.add(decision.replica)
+        unsent = rr.block_hashes[decision.matched_blocks :]
+        if self.wiring.fleet_mode is None:
+            await self.wiring.index.forget(decision.replica, unsent)
+        else:
+            self.spawn(self.wiring.index.forget(decision.replica, unsent))
+
+    async def record_placement(self, rr: RoutedRequest, decision: Decision) -> None:
+        """The chosen replica will hold the prompt's blocks. Runs while the request is on
+        its way (``UpstreamPool.post``), and before anything else runs on this loop. A lazy
+        head's blocks are recorded now, the full prompt's once its tail is tokenized; a
+        small tail is tokenized here, now that the replica has the request, and recorded
+        once."""
+        rr = lazy_tail.latest(rr)
+        if (tail := rr.tail) is not None and tail.finish_inline is not None:
+            rr = await self.complete(rr)
+        if lazy_tail.pending(rr):
+            self.spawn(self._record_tail(rr, decision))
+        if self.wiring.fleet_mode is None:
+            await self.wiring.index.record(decision.replica, rr.block_hashes)
+        else:  # a Redis write stays off the request's critical path
+            self.spawn(self.wiring.index.record(decision.replica, rr.block_hashes))
+        self.metrics.placed(decision)
+
+    async def _record_tail(self, rr: RoutedRequest, decision: Decision) -> None:
+        full = await self.complete(rr)
+        tail = rr.tail
+        if tail is None or decision.replica not in tail.taken_back:
+            await self.wiring.index.record(decision.replica, full.block_hashes)
+
+    def count_prompt(self, rr: RoutedRequest) -> None:
+        """The prompt-tokens metric, with the full count (a lazy head's once it is known)."""
+        tail = rr.tail
+        if tail is not None and tail.full is None:
+            tail.on_full.append(self.count_prompt)
+        else:
+            tokens = lazy_tail.latest(rr).num_tokens
+            self.metrics.child(self.metrics.prompt_tokens, rr.tenant).inc(tokens)
+
+    def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        """Compare the prediction with what the replica reports, and correct the index (a
+        lazy head's once its tail is tokenized: observers see the whole prompt)."""
+        if lazy_tail.pending(rr):
+            self.spawn(self._learn_later(rr, decision, outcome))
+        else:
+            self._learn(lazy_tail.latest(rr), decision, outcome)
+
+    async def _learn_later(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        self._learn(await self.complete(rr), decision, outcome)
+
+    def _learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        outcome_label = (
+            "ok"
+            if outcome.status < 400 and outcome.complete
+            else (f"http_{outcome.status}" if outcome.status >= 400 else "broken")
+        )
+        self.metrics.child(
+            self.metrics.requests, decision.replica, decision.policy, outcome_label
+        ).inc()
+        self.metrics.child(self.metrics.upstream_ttft, decision.replica).observe(
+            outcome.first_byte_s
+        )
+        uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
+        fleet = self.wiring.opened
+        replica = fleet.replicas.get(decision.replica) if fleet else None
+        if replica is not None and is_wait_sample(rr.stream, outcome.status, uncached):
+            replica.ttft.observe(outcome.first_byte_s)
+        predicted = decision.matched_blocks * rr.block_size
+        self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
+        if rr.model_entry is not None:
+            self._learn_model(rr.model_entry, predicted, outcome.cached_tokens)
+        for observer in self.observers:
+            observer.observe(rr, decision, outcome)
+        if outcome.cached_tokens is None:
+            return
+        reported = outcome.cached_tokens
+        self.metrics.child(self.metrics.reported_cached_tokens, rr.tenant).inc(reported)
+        self.metrics.prediction_error.observe(predicted - reported)
+        precise = self.wiring.kv_events is not None and self.wiring.kv_events.is_up(
+            decision.replica
+        )
+        if reported == 0 and decision.matched_blocks >= 2 and not precise:  # events know
+            # The replica held none of what we believed it held: its cache was lost (restart,
+            # reset) behind our back. Forget everything we believed about it but this request.
+            log.info(
+                "replica %s reported no cached tokens where %d were predicted; resetting its index",
+                decision.replica,
+                predicted,
+            )
+            self.spawn(self.wiring.reset_replica(decision.replica, rr.block_hashes))
+
+    def _learn_model(self, entry: ModelEntry, predicted: int, reported: int | None) -> None:
+        """Per-model counters and the drift watch (router/models/drift.py)."""
+        m = self.metrics
+        m.child(m.model_requests, entry.name, entry.basis).inc()
+        m.child(m.model_predicted_cached_tokens, entry.name).inc(predicted)
+        if reported is None:
+            return
+        m.child(m.model_reported_cached_tokens, entry.name).inc(reported)
+        if entry.basis != "tokens":  # a text prefix approximates: no drift to speak of
+            return
+        change = entry.drift.observe(predicted, reported)
+        m.child(m.model_drift, entry.name).set(entry.drift.ratio())
+        if change is None:
+            return
+        m.child(m.model_drifting, entry.name).set(1 if change else 0)
+        if change:
+            log.warning(
+                "model %s: predictions run above what its replicas report (%.0f%% of the "
+                "predicted cached tokens of its last %d requests unconfirmed): do the replicas "
+                "use another chat template, tokenizer or block size? (tokenizer: %s %s)",
+                entry.name,
+                100 * entry.drift.ratio(),
+                len(entry.drift.samples),
+                entry.tokenizer_origin,
+                entry.tokenizer,
+            )
+        else:
+            log.info("model %s: predictions agree with its replicas again", entry.name)
