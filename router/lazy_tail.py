@@ -2,63 +2,44 @@
 finish tokenizing it off the request's critical path.
 
 A request prepared lazily carries the head's ids and block hashes, ``tail_tokens`` (an
-estimate of the rest's count) and a ``Tail`` (router/request.py) in ``tail``. ``decide`` uses the head
-only when the index shows a block of it that no candidate holds (``Tail.decides``): chained
+estimate of the rest's count) and a ``Tail`` (router/request.py) in ``tail``. ``decide`` uses
+the head only when the index shows a block of it that no candidate holds (``Tail.decides``): chained
 hashes mean none holds anything after it either, so the full hashes would match exactly the
 same counts. Otherwise it waits for the full ids (exact, just not lazy). Everything after the
 decision that keeps state (the index record, learning, diagnostics, metrics) uses the full
 request: a small rest (``Tail.finish_inline``) is tokenized on the loop as soon as the request
 is sent, before its placement is recorded; a large one in a worker thread.
+
+With the same matched blocks, the head decides as the whole prompt would when every plugin
+is exact on a head (``Plugin.exact_on_head``): filters and pickers never read the prompt's
+length, and scorers' terms are integers under integral weights, so every cost is an exactly
+represented integer and the estimate of the rest, added alike to every candidate's
+``uncached_prefill``, changes no comparison.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from router.request import RoutedRequest, Tail
+from router.schedule import Pipeline
 
 __all__ = ["Tail", "latest", "pending", "policy_allows", "tail_of"]
 
-# Scorers whose terms are integers (token and request counts), so that with integral
-# weights every cost is an exactly represented integer and adding the same number to every
-# candidate's ``uncached_prefill`` (the estimate of the untokenized rest) changes no
-# comparison. Filters and pickers here never read the prompt length (replica_set_bound reads
-# only block 0's key and whether a candidate holds a block, as ring_spill's picker does).
-_INTEGER_SCORERS = frozenset({"uncached_prefill", "queued_tokens", "inflight"})
-_LENGTH_BLIND_FILTERS = frozenset({"load_bound", "recent_share", "replica_set_bound"})
-_LENGTH_BLIND_PICKERS = frozenset(
-    {
-        "random_min",
-        "random_pick",
-        "ring_min_cost",
-        "ring_owner",
-        "ring_spill",
-        "round_robin",
-        "sticky_prefix",
-    }
-)
 
-
-def policy_allows(policy: Any) -> str | None:
+def policy_allows(policy: Pipeline) -> str | None:
     """None if ``policy`` decides the same with any prompt length at least the head's and
-    the same matched blocks (the proof above), else why it may not."""
-    scorers = getattr(policy, "scorers", None)
-    if scorers is None:
-        return "not a pipeline policy"
-    for scorer, weight in scorers:
+    the same matched blocks (the proof above), else why it may not: every plugin says so
+    itself (``Plugin.exact_on_head``), and a scorer's weight must keep its integer terms
+    integers."""
+    for scorer, weight in policy.scorers:
         if weight == 0:
             continue  # 0.0 x a finite score is exactly 0.0
-        if scorer.name not in _INTEGER_SCORERS or not float(weight).is_integer():
+        if not scorer.exact_on_head or not float(weight).is_integer():
             return f"scorer {scorer.name} (weight {weight}) is not integer-valued"
     for f in policy.filters:
-        if f.name not in _LENGTH_BLIND_FILTERS:
+        if not f.exact_on_head:
             return f"filter {f.name} is not known to ignore the prompt length"
-    picker = policy.picker
-    if picker.name not in _LENGTH_BLIND_PICKERS:
-        return f"picker {picker.name} is not known to ignore the prompt length"
-    cap = getattr(picker, "cap", 0)
-    if not float(cap).is_integer():
-        return f"picker {picker.name}'s cap {cap} is not an integer"
+    if not policy.picker.exact_on_head:
+        return f"picker {policy.picker.name} is not known to ignore the prompt length"
     return None
 
 

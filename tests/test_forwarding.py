@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from router.schedule import Decision, registry
-from router.schedule.types import Candidate, Cycle, NoParams
+from router.schedule.types import Candidate, Cycle, Hook, NoParams, Scorer
 from tests.helpers import chat_body, post, wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -51,11 +51,12 @@ class _Seen:
 
 
 @registry.scorer("test_lifecycle_probe")
-class LifecycleProbe:
+class LifecycleProbe(Scorer):
     """A scorer that scores nothing and declares the three lifecycle hooks."""
 
     Params = NoParams
     name = "test_lifecycle_probe"
+    hooks = frozenset({Hook.PLACED, Hook.FIRST_BYTE, Hook.DONE})
 
     def __init__(self, params: NoParams) -> None:
         pass

@@ -174,6 +174,10 @@ def test_policies_that_read_more_than_integer_costs_stay_exact() -> None:
         ({"policy": "ttft", "schedule": {"policy": "ttft", "params": {"kv_pressure": 500}}}, False),
         ({"policy": "ttft", "decode_cost_tokens": 7.5}, False),
         ({"policy": "ttft"}, True),
+        ({"policy": "random"}, True),  # its picker registers as "random" (a list said random_pick)
+        ({"policy": "least_loaded"}, True),
+        ({"policy": "round_robin"}, True),
+        ({"policy": "consistent_hash"}, True),
     ]:
         config = load_config(None, env={}, replicas=["http://x"], **overrides)
         assert (policy_allows(from_config(config, ring)) is None) == allowed, overrides

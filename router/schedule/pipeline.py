@@ -14,9 +14,12 @@ from router.schedule.types import (
     Cycle,
     Decision,
     Filter,
+    Hook,
     Picker,
+    Plugin,
     ScoredCandidate,
     Scorer,
+    check_plugin,
 )
 
 
@@ -39,15 +42,22 @@ class Pipeline:
         self.filters = list(filters)
         self.scorers = list(scorers)
         self.picker = picker
-        plugins: list[Any] = [*self.filters, *(s for s, _ in self.scorers), picker]
+        for kind, group in (
+            ("filter", self.filters),
+            ("scorer", [s for s, _ in self.scorers]),
+            ("picker", [picker]),
+        ):
+            for p in group:
+                check_plugin(p, kind, f"policy {name}")
+        plugins: list[Plugin] = [*self.filters, *(s for s, _ in self.scorers), picker]
         # Whether a decision needs the index lookup (matched blocks) at all.
-        self.uses_index = any(getattr(p, "uses_index", False) for p in plugins)
-        self._tracks_recent = any(getattr(p, "uses_recent", False) for p in plugins)
-        # The request lifecycle hooks plugins declare: before send (``placed``), first
+        self.uses_index = any(p.uses_index for p in plugins)
+        self._tracks_recent = any(p.uses_recent for p in plugins)
+        # The request lifecycle hooks the plugins declare: before send (``placed``), first
         # byte, done.
-        self._placers = [p for p in plugins if hasattr(p, "placed")]
-        self._first_byte = [p for p in plugins if hasattr(p, "first_byte")]
-        self._done = [p for p in plugins if hasattr(p, "done")]
+        self._placers = [p for p in plugins if Hook.PLACED in p.hooks]
+        self._first_byte = [p for p in plugins if Hook.FIRST_BYTE in p.hooks]
+        self._done = [p for p in plugins if Hook.DONE in p.hooks]
         self.recent = RecentCounts()
 
     def placed(self, decision: Decision) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from router.schedule.pipeline import Pipeline
 from router.schedule.ring import HashRing
-from router.schedule.types import ScheduleError, parse_params
+from router.schedule.types import ScheduleError, check_plugin, parse_params
 
 Kind = Literal["filter", "scorer", "picker"]
 _PLUGINS: dict[Kind, dict[str, type[Any]]] = {"filter": {}, "scorer": {}, "picker": {}}
@@ -92,7 +92,9 @@ def plugin(kind: Kind, spec: PluginSpec, where: str = "schedule") -> Any:
         raise ScheduleError(
             f"{where}: unknown {kind} {spec.name!r}; choose from {', '.join(names(kind))}"
         ) from None
-    return cls(parse_params(cls.Params, spec.params, f"{where}: {kind} {spec.name}"))
+    built = cls(parse_params(cls.Params, spec.params, f"{where}: {kind} {spec.name}"))
+    check_plugin(built, kind, where)
+    return built
 
 
 def build(

@@ -9,6 +9,7 @@ parameters (``registry.build``); ``parse_params`` turns that mapping into the da
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -113,8 +114,46 @@ class Cycle:
         return min(c.matched_blocks, self.limit)
 
 
-class Filter(Protocol):
+class Hook(enum.Enum):
+    """The request lifecycle hooks a plugin may declare (``Plugin.hooks``); the method of
+    each is named by its value. ``now`` is the pipeline's clock (virtual in simulations)."""
+
+    PLACED = "placed"  # placed(decision, now): the request is being sent as decided
+    FIRST_BYTE = "first_byte"  # first_byte(decision, now): the replica's first bytes came
+    DONE = "done"  # done(decision, status, now): the attempt ended (status None: no answer)
+
+
+class Plugin(Protocol):
+    """What every plugin declares. A plugin class subclasses its kind (``Filter``,
+    ``Scorer``, ``Picker``) and so inherits these defaults, setting what it uses;
+    ``check_plugin`` holds the declarations against the class when a profile is built."""
+
     name: ClassVar[str]
+    # Reads ``Candidate.matched_blocks``: a decision needs the index lookup.
+    uses_index: ClassVar[bool] = False
+    # Reads ``Cycle.recent``: the pipeline counts the requests it places.
+    uses_recent: ClassVar[bool] = False
+    # The lifecycle hooks it implements.
+    hooks: ClassVar[frozenset[Hook]] = frozenset()
+    # Decides the same on a lazy head as on the whole prompt, given the same matched blocks
+    # (router/lazy_tail.py routes on a head only when every plugin does): a filter or picker
+    # that never reads the prompt's length; a scorer whose terms are integers (token or
+    # request counts), so the tail's estimate, added alike to every candidate, changes no
+    # comparison.
+    exact_on_head: bool = False
+
+    def placed(self, decision: Decision, now: float) -> None:
+        """``Hook.PLACED``: the request is being sent to ``decision.replica``."""
+
+    def first_byte(self, decision: Decision, now: float) -> None:
+        """``Hook.FIRST_BYTE``: the replica's first bytes arrived (a stream's prefill ended)."""
+
+    def done(self, decision: Decision, status: int | None, now: float) -> None:
+        """``Hook.DONE``: the attempt ended; ``status`` is None when the replica never
+        answered (it failed before the first byte, or the client left)."""
+
+
+class Filter(Plugin, Protocol):
     reason: ClassVar[str]  # shown for each candidate it removes
 
     def remove(self, cycle: Cycle) -> set[str]:
@@ -122,21 +161,43 @@ class Filter(Protocol):
         ...
 
 
-class Scorer(Protocol):
-    name: ClassVar[str]
-
+class Scorer(Plugin, Protocol):
     def score(self, cycle: Cycle, c: Candidate) -> float:
         """An unweighted cost term for ``c``; lower is better."""
         ...
 
 
-class Picker(Protocol):
-    name: ClassVar[str]
-
+class Picker(Plugin, Protocol):
     def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
         """Choose among ``scored`` (those with ``filtered is None`` are eligible; at least one
         is)."""
         ...
+
+
+_DECLARED = ("uses_index", "uses_recent", "hooks", "exact_on_head")
+
+
+def check_plugin(plugin: object, kind: str, where: str = "schedule") -> None:
+    """Hold a plugin's declarations against its class: every declaration present (a class
+    that does not subclass its kind must make them all), and a hook method defined exactly
+    for each hook it declares (an undeclared one would never be called)."""
+    name = getattr(plugin, "name", type(plugin).__name__)
+    missing = [d for d in _DECLARED if not hasattr(plugin, d)]
+    if missing:
+        raise ScheduleError(
+            f"{where}: {kind} {name} does not declare {', '.join(missing)} "
+            f"(subclass router.schedule.types.{kind.capitalize()} for the defaults)"
+        )
+    for hook in Hook:
+        defined = getattr(type(plugin), hook.value, None)
+        implemented = defined is not None and defined is not getattr(Plugin, hook.value)
+        if implemented != (hook in plugin.hooks):  # type: ignore[attr-defined]
+            said = "defines" if implemented else "declares"
+            but = "does not declare" if implemented else "does not define"
+            raise ScheduleError(
+                f"{where}: {kind} {name} {said} {hook.value} but {but} it "
+                f"(hooks = frozenset({{Hook.{hook.name}}}) and a method {hook.value})"
+            )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,22 @@ the Decision carries every term and which filter removed whom."""
 
 from __future__ import annotations
 
-from router.schedule import Candidate, HashRing, PluginSpec, ProfileSpec, build
+from typing import Any
+
+import pytest
+
+from router.schedule import (
+    Candidate,
+    Decision,
+    HashRing,
+    Pipeline,
+    PluginSpec,
+    ProfileSpec,
+    ScheduleError,
+    build,
+    registry,
+)
+from router.schedule.types import Cycle, Hook, Scorer
 from tests.schedule.common import req
 
 
@@ -53,3 +68,73 @@ def test_weight_zero_scorers_are_left_out_and_uses_index_follows_the_plugins():
     assert p.uses_index  # ring_min_cost reads matches
     baseline = build(ProfileSpec((), (), PluginSpec("round_robin")), HashRing(["a"]))
     assert not baseline.uses_index
+
+
+class _Zero(Scorer):
+    """A scorer with the defaults of every declaration."""
+
+    name = "zero"
+
+    def score(self, cycle: Cycle, c: Candidate) -> float:
+        return 0.0
+
+
+class _Undeclared:
+    """A scorer written against the old probing: no declarations at all."""
+
+    name = "undeclared"
+    uses_index = True
+
+    def score(self, cycle: Cycle, c: Candidate) -> float:
+        return 0.0
+
+
+class _HookNotDeclared(_Zero):
+    name = "hook_not_declared"
+
+    def first_byte(self, decision: Decision, now: float) -> None:
+        pass
+
+
+class _HookNotDefined(_Zero):
+    name = "hook_not_defined"
+    hooks = frozenset({Hook.DONE})
+
+
+class _Hooked(_Zero):
+    name = "hooked"
+    hooks = frozenset({Hook.PLACED, Hook.DONE})
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, int | None]] = []
+
+    def placed(self, decision: Decision, now: float) -> None:
+        self.seen.append(("placed", decision.replica, None))
+
+    def done(self, decision: Decision, status: int | None, now: float) -> None:
+        self.seen.append(("done", decision.replica, status))
+
+
+def _pipeline(scorer: Any) -> Pipeline:
+    picker = registry.plugin("picker", PluginSpec("ring_min_cost"))
+    return Pipeline("p", HashRing(["a", "b"]), [], [(scorer, 1.0)], picker)
+
+
+def test_plugin_declarations_are_checked_when_the_profile_is_built():
+    _pipeline(_Zero())  # the defaults of every declaration, inherited
+    with pytest.raises(ScheduleError, match="undeclared does not declare uses_recent, hooks"):
+        _pipeline(_Undeclared())
+    with pytest.raises(ScheduleError, match="defines first_byte but does not declare it"):
+        _pipeline(_HookNotDeclared())
+    with pytest.raises(ScheduleError, match="declares done but does not define it"):
+        _pipeline(_HookNotDefined())
+
+
+def test_the_pipeline_calls_exactly_the_hooks_a_plugin_declares():
+    hooked = _Hooked()
+    p = _pipeline(hooked)
+    d = p.choose(req(160), [Candidate("a"), Candidate("b")])
+    p.placed(d)
+    p.first_byte(d)  # not declared: not called
+    p.done(d, 200)
+    assert hooked.seen == [("placed", d.replica, None), ("done", d.replica, 200)]

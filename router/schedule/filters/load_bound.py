@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.ring import load_bound
-from router.schedule.types import Cycle
+from router.schedule.types import Cycle, Filter
 
 
 @registry.filter("load_bound")
-class LoadBound:
+class LoadBound(Filter):
     """Invariant: a candidate whose in-flight requests, plus this one, would exceed
     ``ceil(load_bound x mean) + LOAD_SLACK`` is removed; the mean is over all candidates."""
 
@@ -23,6 +23,7 @@ class LoadBound:
                 raise ValueError(f"load_bound must be >= 1.0, got {self.load_bound}")
 
     name = "load_bound"
+    exact_on_head = True  # never reads the prompt length
     reason = "over load bound"
 
     def __init__(self, params: Params) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.schedule import registry
-from router.schedule.types import Cycle
+from router.schedule.types import Cycle, Filter
 
 # The share bound applies once the fleet has recently taken this many requests per replica
 # (decayed, half-life 10 s: about 1.1 request/s per replica sustained). Below that, a popular
@@ -15,7 +15,7 @@ SHARE_MIN_RECENT = 16
 
 
 @registry.filter("recent_share")
-class RecentShare:
+class RecentShare(Filter):
     """Invariant: once the candidates have recently taken at least ``min_recent`` requests
     each on average, one whose decayed count, plus this one, exceeds
     ``load_bound x (total + 1) / n + 1`` is removed. Below that nothing is removed."""
@@ -30,6 +30,7 @@ class RecentShare:
                 raise ValueError(f"load_bound must be >= 1.0, got {self.load_bound}")
 
     name = "recent_share"
+    exact_on_head = True  # never reads the prompt length
     reason = "over its share of recent requests"
     uses_recent = True
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from router.schedule import registry
 from router.schedule.keys import routing_key
 from router.schedule.recent import PrefixRates
-from router.schedule.types import Cycle, Decision
+from router.schedule.types import Cycle, Decision, Filter, Hook
 
 
 @registry.filter("replica_set_bound")
-class ReplicaSetBound:
+class ReplicaSetBound(Filter):
     """Invariant: with ``share = (count(prefix) + 1) / (total + 1)`` (decayed counts of placed
     requests, this one included) and ``allowed = max(1, ceil(factor x share x n))`` over the
     ``n`` candidates: if at least ``allowed`` candidates hold the prompt's first block, every
@@ -40,6 +40,8 @@ class ReplicaSetBound:
                 raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
 
     name = "replica_set_bound"
+    exact_on_head = True  # never reads the prompt length
+    hooks = frozenset({Hook.PLACED})  # counts each placed request of its prefix
     reason = "the prefix's replica set is at the bound its request rate sets"
     uses_index = True
     uses_recent = True  # its clock is the pipeline's (virtual in the simulation)

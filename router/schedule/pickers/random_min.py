@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.schedule import registry
-from router.schedule.types import Cycle, Pick, ScoredCandidate
+from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("random_min")
-class RandomMin:
+class RandomMin(Picker):
     """Invariant: an eligible candidate of least cost, each of the tied ones equally likely;
     ``seed`` makes the draws repeatable."""
 
@@ -20,6 +20,7 @@ class RandomMin:
         seed: int | None = None
 
     name = "random_min"
+    exact_on_head = True  # never reads the prompt length
 
     def __init__(self, params: Params) -> None:
         self._rng = random.Random(params.seed)

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.schedule import registry
-from router.schedule.types import Cycle, Pick, ScoredCandidate
+from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("random")
-class RandomPick:
+class RandomPick(Picker):
     """Invariant: every eligible replica is equally likely; ``seed`` makes the draws
     repeatable."""
 
@@ -20,6 +20,7 @@ class RandomPick:
         seed: int | None = None
 
     name = "random"
+    exact_on_head = True  # never reads the prompt length
 
     def __init__(self, params: Params) -> None:
         self._rng = random.Random(params.seed)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import tie_key
-from router.schedule.types import Cycle, Pick, ScoredCandidate
+from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 WHY = {
     "prefix": "the replica holding the longest prefix has the lowest estimated TTFT",
@@ -19,7 +19,7 @@ WHY = {
 
 
 @registry.picker("ring_min_cost")
-class RingMinCost:
+class RingMinCost(Picker):
     """Invariant: if some eligible candidate holds a block, the eligible one of least cost
     (then ring rank at the tie key, then URL); otherwise the ring's bounded-load pick. The
     reason is ``prefix`` when the chosen one holds the most of anyone, else ``spill``, or
@@ -34,6 +34,7 @@ class RingMinCost:
                 raise ValueError(f"load_bound must be >= 1.0, got {self.load_bound}")
 
     name = "ring_min_cost"
+    exact_on_head = True  # never reads the prompt length
     uses_index = True
 
     def __init__(self, params: Params) -> None:

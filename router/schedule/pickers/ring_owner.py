@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import routing_key
-from router.schedule.types import Cycle, Pick, ScoredCandidate
+from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("ring_owner")
-class RingOwner:
+class RingOwner(Picker):
     """Invariant: the first eligible replica clockwise from the request's block-0 key whose
     in-flight load, plus this request, stays within the bound; the least loaded if none."""
 
@@ -24,6 +24,7 @@ class RingOwner:
                 raise ValueError(f"load_bound must be >= 1.0, got {self.load_bound}")
 
     name = "ring_owner"
+    exact_on_head = True  # never reads the prompt length
 
     def __init__(self, params: Params) -> None:
         self.c = params.load_bound

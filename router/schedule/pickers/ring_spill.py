@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import routing_key
-from router.schedule.types import Cycle, Pick, ScoredCandidate
+from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("ring_spill")
-class RingSpill:
+class RingSpill(Picker):
     """Invariant: with some eligible holder, the first eligible holder of the longest held
     prefix in ring order (block 0's key) whose pending prefill tokens are <= the cap
     (``prefix``); else the first eligible candidate in ring order whose cost is below the
@@ -54,6 +54,9 @@ class RingSpill:
     def __init__(self, params: Params) -> None:
         self.cap = params.queue_cap_tokens
         self.ttft_cap = params.ttft_cap_s
+        # Length-blind; a fractional cap, though, would compare differently once a lazy
+        # head's estimate moves the costs it is added to.
+        self.exact_on_head = float(self.cap).is_integer()
 
     def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
         pending = {c.url: c.pending_prefill_tokens for c in cycle.candidates}

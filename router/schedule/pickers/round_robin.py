@@ -6,16 +6,17 @@ import itertools
 from collections.abc import Sequence
 
 from router.schedule import registry
-from router.schedule.types import Cycle, NoParams, Pick, ScoredCandidate
+from router.schedule.types import Cycle, NoParams, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("round_robin")
-class RoundRobin:
+class RoundRobin(Picker):
     """Invariant: the n-th decision (explain included) takes the eligible replica at
     ``n mod len`` in URL order."""
 
     Params = NoParams
     name = "round_robin"
+    exact_on_head = True  # never reads the prompt length
 
     def __init__(self, params: NoParams) -> None:
         self._counter = itertools.count()

@@ -11,17 +11,18 @@ from collections.abc import Sequence
 
 from router.schedule import registry
 from router.schedule.keys import tie_key
-from router.schedule.types import Cycle, NoParams, Pick, ScoredCandidate
+from router.schedule.types import Cycle, NoParams, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("sticky_prefix")
-class StickyPrefix:
+class StickyPrefix(Picker):
     """Invariant: the eligible candidate with the most reusable blocks, ties by ring rank at
     the tie key; a prefix nobody holds goes to the one with fewest requests in flight (as
     SGLang's gateway sends a low match to its least-used worker), ties by ring rank."""
 
     Params = NoParams
     name = "sticky_prefix"
+    exact_on_head = True  # never reads the prompt length
     uses_index = True
 
     def __init__(self, params: NoParams) -> None:

@@ -4,16 +4,17 @@ about ``decode_cost_tokens`` prompt tokens' worth (its weight there)."""
 from __future__ import annotations
 
 from router.schedule import registry
-from router.schedule.types import Candidate, Cycle, NoParams
+from router.schedule.types import Candidate, Cycle, NoParams, Scorer
 
 
 @registry.scorer("inflight")
-class Inflight:
+class Inflight(Scorer):
     """Invariant: the replica's requests in flight from all gateways (``Candidate.load``), a
     count; the weight turns it into tokens."""
 
     Params = NoParams
     name = "inflight"
+    exact_on_head = True  # its terms are integers (counts)
 
     def __init__(self, params: NoParams) -> None:
         pass

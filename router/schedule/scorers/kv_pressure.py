@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from router.schedule import registry
-from router.schedule.types import Candidate, Cycle, NoParams
+from router.schedule.types import Candidate, Cycle, NoParams, Scorer
 
 
 @registry.scorer("kv_pressure")
-class KvPressure:
+class KvPressure(Scorer):
     """Invariant: the replica's last scraped KV-cache usage, 0 (empty) to 1 (full). A full
     cache preempts or queues new work and evicts prefixes; the weight says how many prompt
     tokens of prefill a full cache is worth avoiding."""

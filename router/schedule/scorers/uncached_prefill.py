@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from router.schedule import registry
-from router.schedule.types import Candidate, Cycle, NoParams
+from router.schedule.types import Candidate, Cycle, NoParams, Scorer
 
 
 @registry.scorer("uncached_prefill")
-class UncachedPrefill:
+class UncachedPrefill(Scorer):
     """Invariant: ``prompt tokens - reusable blocks x block size``, in tokens; reusable blocks
     are the index's match capped at the prompt's cacheable blocks, so it is never negative."""
 
     Params = NoParams
     name = "uncached_prefill"
+    exact_on_head = True  # its terms are integers (counts)
     uses_index = True
 
     def __init__(self, params: NoParams) -> None:
