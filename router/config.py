@@ -95,7 +95,7 @@ class Config:
     schedule: dict[str, Any] = _opt(
         {},
         "the policy's parameters or a full plugin profile (config file only; see "
-        "docs/routing-plugins.md)",
+        "docs/scheduling.md)",
         flag=False,
     )
     # -- fleet
