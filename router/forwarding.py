@@ -35,10 +35,14 @@ from router.upstream import UpstreamPool
 log = logging.getLogger("prefix_router")
 
 
+def load_order(replica: Replica) -> tuple[int, str]:
+    """Fewest requests in flight from this gateway first; ties by URL (deterministic)."""
+    return replica.inflight, replica.url
+
+
 def least_loaded(replicas: Iterable[Replica]) -> Replica | None:
-    """The replica with the fewest requests in flight from this gateway (ties: by URL, so
-    the choice is deterministic); None for none."""
-    return min(replicas, key=lambda r: (r.inflight, r.url), default=None)
+    """The first replica in ``load_order``; None for none."""
+    return min(replicas, key=load_order, default=None)
 
 
 class Ending(enum.Enum):

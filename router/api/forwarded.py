@@ -13,7 +13,7 @@ from aiohttp import web
 
 from router.errors import APIError, bad_request
 from router.fleet import Fleet
-from router.forwarding import Attempt, Job, least_loaded
+from router.forwarding import Attempt, Job, least_loaded, load_order
 
 if TYPE_CHECKING:
     from router.handlers import Handlers
@@ -105,8 +105,7 @@ async def forward_get(handlers: Handlers, request: web.Request, request_id: str)
     headers = {"X-Request-Id": request_id}
     if gateway.config.upstream_api_key:
         headers["Authorization"] = f"Bearer {gateway.config.upstream_api_key}"
-    # Least loaded first (the order ``least_loaded`` picks in).
-    for replica in sorted(gateway.fleet.healthy(), key=lambda r: (r.inflight, r.url)):
+    for replica in sorted(gateway.fleet.healthy(), key=load_order):
         try:
             async with gateway.session.get(
                 replica.url + request.path_qs,
