@@ -45,7 +45,7 @@ async def exact(gw: Any, r: Any, bodies: list[dict[str, Any]]) -> None:
     assert gw.gateway.index.size(r.url) == len(truth(r)) == r.engine.pool.num_cached
     pool = r.engine.pool
     for b in bodies:
-        rr = await gw.gateway.prepare(json.dumps(b).encode(), {}, "chat", "probe")
+        rr = await gw.gateway.path.prepare(json.dumps(b).encode(), {}, "chat", "probe")
         predicted = (await gw.gateway.index.match(rr.block_hashes, [r.url]))[r.url]
         own = block_hashes(list(rr.token_ids), BS, lora=rr.lora, cache_salt=rr.cache_salt)
         assert predicted == len(pool.lookup(own, len(own))), b["messages"][0]["content"][:40]
