@@ -18,15 +18,18 @@ from router.schedule.registry import (
 from router.schedule.ring import HashRing
 from router.schedule.spec import check_config, from_config
 from router.schedule.types import (
+    Branch,
     Candidate,
     Decision,
     Pick,
     ScheduleError,
     ScoredCandidate,
+    SpillCause,
 )
 
 __all__ = [
     "POLICIES",
+    "Branch",
     "Candidate",
     "Decision",
     "HashRing",
@@ -36,6 +39,7 @@ __all__ = [
     "ProfileSpec",
     "ScheduleError",
     "ScoredCandidate",
+    "SpillCause",
     "build",
     "build_named",
     "check_config",

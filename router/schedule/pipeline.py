@@ -10,6 +10,7 @@ from router.schedule.keys import routing_key
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import HashRing
 from router.schedule.types import (
+    Branch,
     Candidate,
     Cycle,
     Decision,
@@ -19,6 +20,7 @@ from router.schedule.types import (
     Plugin,
     ScoredCandidate,
     Scorer,
+    SpillCause,
     check_plugin,
 )
 
@@ -119,10 +121,10 @@ class Pipeline:
             )
         pick = self.picker.pick(cycle, scored)
         chosen = next(s for s in scored if s.url == pick.replica)
-        reason = pick.reason or self.name
+        reason = pick.branch.value if pick.branch is not None else self.name
         cause, copied = None, 0
-        if reason == "spill":
-            cause = pick.cause or _spill_cause(scored)
+        if pick.branch is Branch.SPILL:
+            cause = pick.cause.value if pick.cause is not None else _spill_cause(scored)
             copied = max(s.matched_blocks for s in scored) - chosen.matched_blocks
         return Decision(
             replica=pick.replica,
@@ -144,4 +146,4 @@ def _spill_cause(scored: Sequence[ScoredCandidate]) -> str:
     holder, or the cost terms (``cost``)."""
     most = max(s.matched_blocks for s in scored)
     holder = next((s for s in scored if s.matched_blocks == most and s.filtered_by), None)
-    return holder.filtered_by if holder and holder.filtered_by else "cost"
+    return holder.filtered_by if holder and holder.filtered_by else SpillCause.COST.value

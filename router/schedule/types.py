@@ -62,16 +62,40 @@ class ScoredCandidate:
     filtered_by: str | None = None  # the filter that removed it
 
 
+class Branch(enum.Enum):
+    """Which way a decision went: a picker's branch. Its value is the ``reason`` of a
+    ``Decision``, of explain's answer and of ``prefix_router_decisions_total``."""
+
+    PREFIX = "prefix"  # a holder of the longest prefix, within its bounds
+    SPILL = "spill"  # off the longest holder, under load (``SpillCause`` says why)
+    RING = "ring"  # no eligible replica holds any of the prefix: by the ring (or queues)
+
+
+class SpillCause(enum.Enum):
+    """Why a spill left the holders, when the picker knows (else the filter that removed
+    the longest holder, by its name, or ``COST``). Its value labels
+    ``prefix_router_spills_total``."""
+
+    QUEUE_CAP = "queue_cap"  # every holder's queue is over the picker's cap
+    OBSERVED_TTFT = "observed_ttft"  # the holder's observed time to first byte is over its cap
+    COST = "cost"  # the scorers' cost: the prefill saved did not outweigh the load
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """Where a request goes and why, in three words of increasing detail: ``reason`` (a
+    ``Branch`` value, or the policy's name for a picker without branches: a metrics label),
+    ``cause`` (a spill's: a ``SpillCause`` value or a filter's name: a metrics label) and
+    ``why`` (one sentence for operators)."""
+
     replica: str
     matched_blocks: int  # predicted cached blocks on the chosen replica
-    reason: str  # the picker's: prefix | spill | ring, or the policy's name
+    reason: str  # a Branch's value, or the policy's name
     policy: str
     scores: tuple[ScoredCandidate, ...] = ()
     ring_choice: str | None = None
     why: str = ""  # one sentence for operators, from the picker
-    cause: str | None = None  # a spill's reason: a short fixed label (the picker's, or derived)
+    cause: str | None = None  # a spill's: a SpillCause's value, or the removing filter's name
     holders: int = 0  # replicas holding the prompt's first block: the prefix's replica set
     copied_blocks: int = 0  # a spill's blocks new to its replica (each may evict one there)
     prefix_key: int = 0  # the request's ring key (block 0's hash): whose prefix this is
@@ -90,10 +114,10 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class Pick:
     replica: str
-    reason: str | None = None  # None: the policy's name is the reason
+    branch: Branch | None = None  # None: a picker without branches (the policy's name)
     why: str = ""
     ring_choice: str | None = None
-    cause: str | None = None  # for a spill, why (a short fixed label: the metrics' reason)
+    cause: SpillCause | None = None  # a spill's, when the picker knows it
 
 
 @dataclass(slots=True)

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import tie_key
-from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
+from router.schedule.types import Branch, Cycle, Pick, Picker, ScoredCandidate
 
 WHY = {
-    "prefix": "the replica holding the longest prefix has the lowest estimated TTFT",
-    "spill": "a replica holding more of the prefix is too busy (its queue or the load "
+    Branch.PREFIX: "the replica holding the longest prefix has the lowest estimated TTFT",
+    Branch.SPILL: "a replica holding more of the prefix is too busy (its queue or the load "
     "bound outweighs the prefill saved); this one finishes the prefill sooner",
-    "ring": "no replica holds any block of this prefix: its ring owner (bounded loads)",
+    Branch.RING: "no replica holds any block of this prefix: its ring owner (bounded loads)",
 }
 
 
@@ -53,9 +53,9 @@ class RingMinCost(Picker):
         ring_choice = cycle.ring.pick(key, loads.__getitem__, [s.url for s in eligible], self.c)
         if best_eligible == 0:  # cold everywhere it may go: the ring decides
             assert ring_choice is not None
-            reason = "ring" if best_match == 0 else "spill"
-            return Pick(ring_choice, reason, WHY[reason], ring_choice)
+            branch = Branch.RING if best_match == 0 else Branch.SPILL
+            return Pick(ring_choice, branch, WHY[branch], ring_choice)
         rank = cycle.ring.rank(key)
         chosen = min(eligible, key=lambda s: (s.cost, rank.get(s.url, len(rank)), s.url))
-        reason = "prefix" if chosen.matched_blocks == best_match else "spill"
-        return Pick(chosen.url, reason, WHY[reason], ring_choice)
+        branch = Branch.PREFIX if chosen.matched_blocks == best_match else Branch.SPILL
+        return Pick(chosen.url, branch, WHY[branch], ring_choice)

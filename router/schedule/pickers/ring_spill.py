@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import routing_key
-from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
+from router.schedule.types import Branch, Cycle, Pick, Picker, ScoredCandidate, SpillCause
 
 
 @registry.picker("ring_spill")
@@ -72,7 +72,7 @@ class RingSpill(Picker):
             u = min(order, key=lambda u: (pending[u], inflight[u], pos[u]))
             return Pick(
                 u,
-                "ring",
+                Branch.RING,
                 f"nobody holds this prefix: the shortest queue ({pending[u]} "
                 f"tokens), ring position {pos[u]}",
                 owner,
@@ -87,10 +87,10 @@ class RingSpill(Picker):
         note = f" [held by {len(held)} at ring positions {','.join(str(pos[u]) for u in held)}]"
         for u in held:
             if pending[u] <= self.cap and not slow(u):
-                reason = "prefix" if best == most else "spill"
+                branch = Branch.PREFIX if best == most else Branch.SPILL
                 return Pick(
                     u,
-                    reason,
+                    branch,
                     f"holds the prefix, queue {pending[u]} <= cap "
                     f"{self.cap:.0f}; ring position {pos[u]}" + note,
                     owner,
@@ -103,8 +103,8 @@ class RingSpill(Picker):
                     f"{stay.cost - eligible[u].cost:.0f} tokens (> the queue cap "
                     f"{self.cap:.0f}): next on the prefix's ring, position {pos[u]}"
                 )
-                reason = "prefix" if eligible[u].matched_blocks == most else "spill"
-                return Pick(u, reason, why + note, owner, cause="queue_cap")
+                branch = Branch.PREFIX if eligible[u].matched_blocks == most else Branch.SPILL
+                return Pick(u, branch, why + note, owner, cause=SpillCause.QUEUE_CAP)
         if slow(stay.url):  # its wait is longer than the tokens say (decode, other gateways)
             for u in order:
                 if pending[u] <= self.cap and not slow(u):
@@ -113,10 +113,10 @@ class RingSpill(Picker):
                         f"first byte {ttft[stay.url]:.2f} s is over {self.ttft_cap:g} s: the "
                         f"next on the prefix's ring within both caps, position {pos[u]}"
                     )
-                    reason = "prefix" if eligible[u].matched_blocks == most else "spill"
-                    return Pick(u, reason, why + note, owner, cause="observed_ttft")
-        reason = "prefix" if stay.matched_blocks == most else "spill"
+                    branch = Branch.PREFIX if eligible[u].matched_blocks == most else Branch.SPILL
+                    return Pick(u, branch, why + note, owner, cause=SpillCause.OBSERVED_TTFT)
+        branch = Branch.PREFIX if stay.matched_blocks == most else Branch.SPILL
         why = (
             f"holders are over the cap {self.cap:.0f} but no spill saves more: the cheapest holder"
         )
-        return Pick(stay.url, reason, why + note, owner)
+        return Pick(stay.url, branch, why + note, owner)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from router.schedule import registry
 from router.schedule.keys import tie_key
-from router.schedule.types import Cycle, NoParams, Pick, Picker, ScoredCandidate
+from router.schedule.types import Branch, Cycle, NoParams, Pick, Picker, ScoredCandidate
 
 
 @registry.picker("sticky_prefix")
@@ -34,6 +34,6 @@ class StickyPrefix(Picker):
         rank = cycle.ring.rank(tie_key(cycle.req, best))
         if best == 0:
             cold = min(eligible, key=lambda s: (s.load, rank.get(s.url, len(rank)), s.url))
-            return Pick(cold.url, "ring", "no replica holds this prefix: the least loaded")
+            return Pick(cold.url, Branch.RING, "no replica holds this prefix: the least loaded")
         chosen = min(eligible, key=lambda s: (-s.matched_blocks, rank.get(s.url, len(rank)), s.url))
-        return Pick(chosen.url, "prefix", "the replica holding the longest prefix, always")
+        return Pick(chosen.url, Branch.PREFIX, "the replica holding the longest prefix, always")
