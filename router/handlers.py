@@ -280,7 +280,8 @@ class Handlers:
         if self.gw.fleet:
             for url in self.gw.fleet.replicas:
                 self.gw.metrics.index_blocks.labels(url).set(self.gw.index.size(url))
-        fallbacks = getattr(self.gw.index, "fallbacks", 0)
+        shared = self.gw.fleet_mode.index if self.gw.fleet_mode is not None else None
+        fallbacks = shared.fallbacks if shared is not None else 0  # Redis answered locally
         if fallbacks > self._fallbacks_seen:
             self.gw.metrics.redis_fallbacks.inc(fallbacks - self._fallbacks_seen)
             self._fallbacks_seen = fallbacks
