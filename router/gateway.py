@@ -4,8 +4,8 @@
     RequestPath (router/request_path.py)  prepare -> decide -> record -> learn
     Forwarder   (router/forwarding.py)    pick, account, send, retry, release
 
-``start`` brings them up in order (the fleet, a model, fleet mode, the block size, precise
-mode, the renderer) and ``stop`` takes them down. The HTTP surface (router/handlers.py,
+``start`` brings them up in order (the fleet, a model, fleet mode, the model registry with
+its tokenizers and block sizes, precise mode, flow control) and ``stop`` takes them down. The HTTP surface (router/handlers.py,
 router/app.py) and the ops modules drive the owners; the properties below are the handles
 operators and tests read.
 """
