@@ -24,6 +24,15 @@ _TYPES = {
 }
 
 
+ECHO_CHARS = 200  # a client's string quoted back in an error: at most this much of it
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` for an error message: cut at ``limit`` characters (an 8 MB model name was
+    echoed whole), the cut said."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class APIError(Exception):
     """An error that reaches the client as an OpenAI error body with ``status``."""
 

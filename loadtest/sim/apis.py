@@ -53,6 +53,8 @@ class Apis:
         self.r = replica
         # response id -> the chat messages of its conversation, the answer included
         self.store: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        # response id -> the response object, for GET /v1/responses/{id}
+        self.objects: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     async def _run(
         self, request: web.Request, chat: dict[str, Any], size: int, body: dict[str, Any], kind: str
@@ -175,6 +177,23 @@ class Apis:
         return json_response({"input_tokens": len(ids)})
 
     # -- OpenAI Responses -----------------------------------------------------------------
+    def _stored(self, request: web.Request) -> tuple[str, dict[str, Any]]:
+        response_id = request.match_info["response_id"]
+        found = self.objects.get(response_id)
+        if found is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.")
+        return response_id, found
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}`` (vLLM's retrieve_responses)."""
+        return json_response(self._stored(request)[1])
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """``POST /v1/responses/{id}/cancel``: only a background response can be cancelled,
+        and this replica runs none (vLLM's cancel_responses)."""
+        self._stored(request)
+        raise APIError(400, "Cannot cancel a synchronous response.")
+
     async def responses(self, request: web.Request) -> web.StreamResponse:
         body, size = await read_json(request)
         chat = responses.to_chat(body)
@@ -198,9 +217,12 @@ class Apis:
             }
         seq = await self._run(request, chat, size, body, "responses")
         model = body.get("model") or self.r.config.model
-        resp_id = f"resp_{uuid.uuid4().hex}"
+        # vLLM takes the body's request_id as the response's id (and overwrites what its
+        # store held under it): its store is not tenant-aware.
+        resp_id = str(body.get("request_id") or f"resp_{uuid.uuid4().hex}")
         text = self.r.generation._text(seq.output_ids)
-        if body.get("store", True):
+        store = body.get("store", True)
+        if store:
             self.store[resp_id] = chat["messages"] + [{"role": "assistant", "content": text}]
             while len(self.store) > STORE_CAPACITY:
                 self.store.popitem(last=False)
@@ -244,6 +266,10 @@ class Apis:
             "previous_response_id": previous,
             "usage": usage,
         }
+        if store:
+            self.objects[resp_id] = full
+            while len(self.objects) > STORE_CAPACITY:
+                self.objects.popitem(last=False)
         if not body.get("stream"):
             return json_response(full)
         created = {

@@ -226,7 +226,7 @@ class SimReplica:
 
     def _build_app(self) -> web.Application:
         gen, other, apis = Generation(self), Endpoints(self), Apis(self)
-        self.generation = gen
+        self.generation, self.apis = gen, apis
         app = web.Application(client_max_size=256 * 2**20, middlewares=[self._middleware])
         r = app.router
         r.add_post("/v1/chat/completions", gen.chat)
@@ -244,6 +244,8 @@ class SimReplica:
         r.add_post("/v1/messages", apis.messages)
         r.add_post("/v1/messages/count_tokens", apis.count_tokens)
         r.add_post("/v1/responses", apis.responses)
+        r.add_get("/v1/responses/{response_id}", apis.retrieve)
+        r.add_post("/v1/responses/{response_id}/cancel", apis.cancel)
         return app
 
     @web.middleware

@@ -3,19 +3,27 @@ registered on the gateway's app by ``register`` (one line in ``build_app``).
 
 Both APIs are routed like chat (``Handlers.route``: their bodies are rendered through their
 converters, router/api/convert.py, which the app hands to the request path); only the
-errors' shape and the Responses store differ."""
+errors' shape and the Responses store differ.
+
+Stored responses belong to the tenant that created them (router/api/response_ids.py). With
+auth on, the gateway names every stored response itself (the body's ``request_id``, which
+vLLM takes as the response's id; a client's own is replaced), so no tenant can name, and so
+overwrite, another's; a ``previous_response_id``, ``GET``, ``DELETE`` or ``cancel`` naming
+an id this tenant did not create is answered as an unknown id is, and never forwarded."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 from aiohttp import web
 
 from router.api import anthropic
 from router.api.forwarded import GET_PATHS, POST_PATHS, forward_get, forward_post
-from router.api.response_ids import ResponseReplicas, response_id_in
-from router.errors import APIError
+from router.api.response_ids import ResponseReplicas, new_response_id, response_id_in
+from router.errors import APIError, bad_request, clip
+from router.forward import HOP_BY_HOP, request_headers
 
 if TYPE_CHECKING:
     from router.forward import Outcome
@@ -36,10 +44,22 @@ class _LearnResponseIds:
         if rr.endpoint != "responses" or outcome.status != 200 or rr.body.get("store") is False:
             return
         response_id = response_id_in(outcome.head)
-        if response_id is not None:
-            self.ids.remember(response_id, decision.replica)
-            if self.ids.redis is not None:
-                self.gateway.spawn(self.ids.share(response_id, decision.replica))
+        if response_id is None:
+            return
+        remembered = self.ids.remember(response_id, decision.replica, rr.tenant)
+        if remembered and self.ids.redis is not None:
+            self.gateway.spawn(self.ids.share(response_id, decision.replica, rr.tenant))
+
+
+def not_found(response_id: str) -> APIError:
+    """vLLM's answer for an id its store does not hold; the gateway's for one the tenant
+    did not create, word for word the same."""
+    return APIError(
+        404,
+        f"Response with id '{clip(response_id)}' not found.",
+        type_="invalid_request_error",
+        code="response_not_found",
+    )
 
 
 def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[str]) -> None:  # noqa: N803
@@ -49,6 +69,7 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
     ids = ResponseReplicas(
         redis=lambda: gateway.fleet_mode.redis if gateway.fleet_mode is not None else None,
         namespace=gateway.config.redis_prefix,
+        enforce=gateway.config.auth,
     )
     gateway.watch(_LearnResponseIds(gateway, ids))
 
@@ -72,11 +93,36 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
             raw, request.headers, "responses", request_id, tenant, lazy=True
         )
         previous = rr.body.get("previous_response_id")
-        if isinstance(previous, str):
-            replica = await ids.lookup(previous)
-            if replica is not None:  # gone or unknown: routed as usual; vLLM answers 404
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise bad_request("previous_response_id must be a string", "previous_response_id")
+            replica = await ids.lookup(previous, tenant)
+            if replica is not None:
                 rr = dataclasses.replace(rr, pinned_replica=replica)
+            elif ids.enforce:
+                # Unknown here may still be held by a replica for another tenant: never sent.
+                raise not_found(previous)
+            # else (one tenant): routed as usual; vLLM answers 404 if it is gone
+        if ids.enforce and rr.body.get("store") is not False:
+            rr.body["request_id"] = new_response_id()  # the response's id: ours, not the client's
+            rr = dataclasses.replace(rr, raw=None)  # the body changed: forwarded re-encoded
         return await routes.route_prepared(request, rr)
+
+    async def stored(request: web.Request) -> web.StreamResponse:
+        """``GET``/``DELETE /v1/responses/{id}`` and ``POST .../cancel``: to the replica
+        holding the response, for the tenant that created it; anyone else gets the 404 of an
+        unknown id."""
+        tenant = gateway.tenancy.identify(request.headers)
+        response_id = request.match_info["response_id"]
+        replica = await ids.lookup(response_id, tenant)
+        assert gateway.fleet is not None
+        if replica is None or replica not in gateway.fleet.replicas:
+            raise not_found(response_id)
+        resp = await _relay(routes, request, replica, request[REQUEST_ID])
+        if request.method == "DELETE" and resp.status == 200:
+            ids.forget(response_id)
+            await ids.unshare(response_id)
+        return resp
 
     async def post(request: web.Request) -> web.StreamResponse:
         return await forward_post(routes, request, request[REQUEST_ID])
@@ -87,6 +133,9 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", stored)
+    app.router.add_delete("/v1/responses/{response_id}", stored)
+    app.router.add_post("/v1/responses/{response_id}/cancel", stored)
     for path in POST_PATHS:
         app.router.add_post(path, post)
     for path in GET_PATHS:
@@ -98,3 +147,45 @@ def _anthropic_error(e: APIError, request_id: str) -> web.Response:
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return anthropic.error_response(e, headers)
+
+
+async def _relay(
+    routes: Handlers, request: web.Request, replica: str, request_id: str
+) -> web.StreamResponse:
+    """``request`` (no body) to ``replica``, its answer streamed back (``GET ...?stream=true``
+    replays a background response's events)."""
+    gateway = routes.gw
+    assert gateway.session is not None
+    headers = request_headers(
+        request.headers,
+        request_id,
+        gateway.config.upstream_api_key,
+        not gateway.config.auth,
+        gateway.forward_allow,
+    )
+    del headers["Content-Type"]
+    timeout = aiohttp.ClientTimeout(
+        sock_connect=gateway.config.connect_timeout_s, sock_read=gateway.config.idle_timeout_s
+    )
+    out: web.StreamResponse | None = None
+    try:
+        async with gateway.session.request(
+            request.method, replica + request.path_qs, headers=headers, timeout=timeout
+        ) as up:
+            out = web.StreamResponse(status=up.status)
+            for k, v in up.headers.items():
+                if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id":
+                    out.headers.add(k, v)
+            out.headers["x-request-id"] = request_id
+            await out.prepare(request)
+            async for chunk in up.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+    except (aiohttp.ClientError, TimeoutError) as e:
+        if out is not None and out.prepared:
+            request.protocol.force_close()  # cut mid-answer: the client must not take it whole
+            return out
+        raise APIError(
+            502, f"upstream replica unavailable ({type(e).__name__})", code="upstream_unavailable"
+        ) from None
