@@ -42,6 +42,20 @@ def check_int_fields(body: dict[str, Any], endpoint: Endpoint) -> None:
             raise bad_request(f"{key} must be an integer from {low} to {MAX_INT}", key)
 
 
+def skips_cache_read(body: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether vLLM serves this request without reading its prefix cache (it reports
+    ``cached_tokens`` 0 however much it holds): prompt logprobs, asked for directly or through
+    ``echo`` (``SamplingParams.skip_reading_prefix_cache`` defaults to ``prompt_logprobs is not
+    None``; the OpenAI bodies set prompt logprobs from ``top_logprobs`` (chat) or
+    ``logprobs`` (completions) when ``echo`` is on)."""
+    if endpoint not in ("chat", "completions"):
+        return False  # Messages and Responses bodies cannot ask for prompt logprobs
+    if body.get("prompt_logprobs") is not None:
+        return True
+    echoed = body.get("top_logprobs" if endpoint == "chat" else "logprobs")
+    return bool(body.get("echo")) and echoed is not None
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object")

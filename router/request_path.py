@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from router import blocks, lazy_tail
+from router import blocks, cache_loss, lazy_tail
+from router.cache_loss import LostCache
 from router.config import Config
 from router.errors import APIError, bad_request
 from router.fleet import Replica
@@ -33,7 +34,7 @@ from router.forward import Outcome, UpstreamUnavailable
 from router.limits import BodyLimits, check_fits
 from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, Route, fallback
-from router.parse import parse_body, parse_json_object
+from router.parse import parse_body, parse_json_object, skips_cache_read
 from router.prompt import NeedsThread, Renderer, segments
 from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest, Tail
@@ -130,6 +131,7 @@ class RequestPath:
         if config.lazy_tail and why_not is not None:
             log.info("lazy tail off: %s", why_not)
         self.observers: list[Observer] = []
+        self._lost: dict[str, LostCache] = {}  # replica -> evidence its cache was lost
         # Flow control (router/flow/): fair queuing per tenant while the replicas are full.
         self.flow = FlowController(
             FlowConfig.from_config(config), self._flow_replicas, metrics.registry
@@ -625,19 +627,28 @@ class RequestPath:
             return
         reported = outcome.cached_tokens
         self.metrics.child(self.metrics.reported_cached_tokens, rr.tenant).inc(reported)
+        if skips_cache_read(rr.body, rr.endpoint):
+            return  # served without reading the cache: its report says nothing about it
         self.metrics.prediction_error.observe(predicted - reported)
-        precise = self.wiring.kv_events is not None and self.wiring.kv_events.is_up(
-            decision.replica
-        )
-        if reported == 0 and decision.matched_blocks >= 2 and not precise:  # events know
-            # The replica held none of what we believed it held: its cache was lost (restart,
-            # reset) behind our back. Forget everything we believed about it but this request.
-            log.info(
-                "replica %s reported no cached tokens where %d were predicted; resetting its index",
-                decision.replica,
-                predicted,
-            )
-            self.spawn(self.wiring.reset_replica(decision.replica, rr.block_hashes))
+        kv_events = self.wiring.kv_events
+        if kv_events is not None and kv_events.is_up(decision.replica):
+            return  # the replica's events keep the index exact
+        evidence = self._lost.setdefault(decision.replica, LostCache())
+        if reported > 0:
+            evidence.hit()
+        elif decision.matched_blocks >= 2 and rr.block_hashes:
+            last = rr.block_hashes[-1]
+            if evidence.miss(time.monotonic(), rr.tenant, last):
+                # Misses of different prompts, from different tenants or over time: the
+                # replica's cache was lost (restart, reset) behind our back. Forget what we
+                # believed about it but this request.
+                log.info(
+                    "replica %s reported no cached tokens on %d prompts where the index "
+                    "predicted hits; resetting its index",
+                    decision.replica,
+                    cache_loss.REPORTS,
+                )
+                self.spawn(self.wiring.reset_replica(decision.replica, rr.block_hashes))
 
     def _learn_model(self, entry: ModelEntry, predicted: int, reported: int | None) -> None:
         """Per-model counters and the drift watch (router/models/drift.py)."""

@@ -359,7 +359,8 @@ class Engine:
         while self.waiting and len(self.active) < self.max_num_seqs:
             s = self.waiting[0]
             p = s.num_prompt_tokens
-            hit = pool.lookup(s.hashes, (p - 1) // bs)
+            # vLLM's skip_reading_prefix_cache (prompt logprobs): computed whole, cached after.
+            hit = [] if s.meta.get("skip_cache_read") else pool.lookup(s.hashes, (p - 1) // bs)
             evictable = sum(1 for b in hit if b.ref_cnt == 0)
             total = self.blocks_needed(p, s.max_tokens)
             need_total = total - len(hit)

@@ -29,6 +29,7 @@ from loadtest.sim.protocol import (
     stream_options,
 )
 from router.errors import APIError, bad_request
+from router.parse import skips_cache_read
 
 
 class Generation:
@@ -126,7 +127,7 @@ class Generation:
             max_tokens,
             lora,
             salt,
-            {"endpoint": "chat", "model": model},
+            {"endpoint": "chat", "model": model, "skip_cache_read": skips_cache_read(body, "chat")},
             limited=(mct or mt) is not None,
         )
         return await self._generate(
@@ -181,7 +182,11 @@ class Generation:
                     m,
                     lora,
                     salt,
-                    {"endpoint": "completions", "model": model},
+                    {
+                        "endpoint": "completions",
+                        "model": model,
+                        "skip_cache_read": skips_cache_read(body, "completions"),
+                    },
                     limited=mt is not None,
                 )
             )
