@@ -197,7 +197,9 @@ def write_files(tmp: Path, plan: Plan, scenario: str) -> Path:
         config.update(auth=False)
     else:
         policy = "tenant" if scenario == "tenant+public" else scenario
-        config.update(auth=True, api_keys_file=str(keys), salt_policy=policy)
+        # The runner reads which replica answered from the decision headers (off by
+        # default with auth on).
+        config.update(auth=True, api_keys_file=str(keys), salt_policy=policy, decision_headers=True)
         if scenario == "tenant+public":
             config["tenants"] = {t: {"public_prefixes": ["marketplace"]} for t in plan.public}
     path = tmp / f"gateway-{scenario.replace('+', '_')}.yaml"

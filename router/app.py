@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import os
 import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from router.gateway import Gateway
 from router.handlers import HANDLERS, REQUEST_ID, Handlers
 from router.index import PrefixIndex
 from router.prompt import Renderer
+from router.redact import install as install_redaction
 from router.server import ConnectionLimits, GatewayRunner
 
 log = logging.getLogger("prefix_router")
@@ -52,14 +52,10 @@ __all__ = [
 
 
 # -- middleware ---------------------------------------------------------------------------
-_ID_PREFIX = uuid.uuid4().hex[:12]
-_ID_COUNTER = itertools.count()
-
-
 def new_request_id() -> str:
-    """Unique per process start and request; a counter, because uuid4 per request showed up
-    in profiles."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
+    """24 random hex digits: unique, and telling nothing (a counter let one tenant count
+    another's requests)."""
+    return os.urandom(12).hex()
 
 
 @web.middleware
@@ -110,6 +106,7 @@ def build_app(
     index: PrefixIndex | None = None,
     extensions: Sequence[Extension] = (),
 ) -> web.Application:
+    install_redaction()
     gateway = Gateway(config, renderer, index, CONVERTERS)
     routes = Handlers(gateway)
     app = web.Application(

@@ -193,8 +193,11 @@ class Config:
     max_content_parts: int = _opt(1_024, "most content parts in one message")
     max_tools: int = _opt(512, "most tools in a request (or in one message)")
     max_template_kwargs: int = _opt(256, "most keys in chat_template_kwargs")
-    decision_headers: bool = _opt(
-        True, "add x-prefix-router-replica and x-prefix-router-cached-blocks to responses"
+    decision_headers: bool | None = _opt(
+        None,
+        "add x-prefix-router-replica and x-prefix-router-cached-blocks to responses (default: "
+        "on with auth off, off with auth on; with auth on the replica is named replica-<n>, "
+        "never by its URL)",
     )
     forward_headers: list[str] = _opt(
         [],

@@ -26,7 +26,7 @@ import aiohttp
 from router import blocks, cache_loss, lazy_tail
 from router.cache_loss import LostCache
 from router.config import Config
-from router.errors import APIError, bad_request
+from router.errors import APIError, bad_request, clip
 from router.fleet import Replica
 from router.flow.controller import FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
@@ -433,7 +433,7 @@ class RequestPath:
                 )
             raise APIError(
                 404,
-                f"The model `{model}` does not exist.",
+                f"The model `{clip(model)}` does not exist.",
                 param="model",
                 code="model_not_found",
             )

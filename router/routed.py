@@ -35,6 +35,17 @@ def why_label(why: str) -> str:
     return why.split(":", 1)[0][:40]
 
 
+def replica_name(fleet: Fleet, url: str, auth: bool) -> str:
+    """A replica as a client may see it: its URL with auth off, else ``replica-<n>`` (its
+    place in the replica list), so tenants learn no internal addresses."""
+    if not auth:
+        return url
+    for n, known in enumerate(fleet.replicas):
+        if known == url:
+            return f"replica-{n}"
+    return "replica"
+
+
 class RoutedJob(Job):
     """One prepared request (``RequestPath.prepare``), sent where the policy decides."""
 
@@ -51,7 +62,12 @@ class RoutedJob(Job):
         self.rr = rr
         self.request_path = path
         self.metrics: Metrics = path.metrics
-        self.decision_headers = config.decision_headers
+        # Which replica answered is for operators: off by default when tenants are
+        # separated, and never its URL for a tenant (replica_name).
+        self.decision_headers = (
+            config.decision_headers if config.decision_headers is not None else not config.auth
+        )
+        self.auth = config.auth
         self.fleet: Fleet = path.wiring.fleet
         self.ticket = ticket  # flow control's (router/flow/): released by the caller
         self._sent_at = 0.0
@@ -83,7 +99,7 @@ class RoutedJob(Job):
         if not self.decision_headers:
             return extra
         assert attempt.decision is not None
-        extra["x-prefix-router-replica"] = attempt.replica.url
+        extra["x-prefix-router-replica"] = replica_name(self.fleet, attempt.replica.url, self.auth)
         extra["x-prefix-router-cached-blocks"] = str(attempt.decision.matched_blocks)
         if ticket.why:
             extra["x-prefix-router-queued-ms"] = f"{ticket.queued_s * 1000:.0f}"

@@ -23,6 +23,9 @@ import httptools
 READ_AHEAD_BYTES = 1 << 20
 MAX_IDLE_PER_ORIGIN = 256
 MAX_INTERIM_RESPONSES = 16  # 1xx answers skipped before one request's final response
+# A response head larger than this is a broken or hostile replica, not relayed (a 200 KB
+# header went to the client whole).
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -47,6 +50,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[str, str]] = []
+        self.head_bytes = 0
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.got_bytes = False
@@ -86,12 +90,17 @@ class _Connection(asyncio.Protocol):
             self.stray = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.stray:
+        if self.stray or self.error is not None:
+            return
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > MAX_HEAD_BYTES:
+            self._fail(UpstreamError(f"bad response: headers over {MAX_HEAD_BYTES} bytes"))
+            self.abort()
             return
         self.headers.append((name.decode("latin-1"), value.decode("utf-8", "replace")))
 
     def on_headers_complete(self) -> None:
-        if self.stray:
+        if self.stray or self.error is not None:
             return
         status = self.parser.get_status_code()
         if 100 <= status < 200:
@@ -105,6 +114,7 @@ class _Connection(asyncio.Protocol):
                 return
             self.interim = True
             self.headers.clear()
+            self.head_bytes = 0
             return
         self.status = status
         self.headers_done = True

@@ -116,6 +116,7 @@ class Client:
 async def tenant_gateway(tmp_path: Path, fleet: Any, gateway: Any, **overrides: Any) -> Any:
     replicas = await fleet(1)
     path = keys_file(tmp_path / "keys.yaml")
+    overrides.setdefault("decision_headers", True)  # off by default with auth on
     gw = await gateway([replicas[0].url], auth=True, api_keys_file=str(path), **overrides)
     return gw, replicas[0], path
 
@@ -315,7 +316,7 @@ async def test_secret_switches_at_not_before_and_keys_file_reloads(tmp_path, fle
         {"secret": SECRET_B, "not_before": switch, "epoch": "b"},
     ]
     path = keys_file(tmp_path / "keys.yaml", secrets, tenants=["acme"])
-    gw = await gateway([replica.url], auth=True, api_keys_file=str(path))
+    gw = await gateway([replica.url], auth=True, api_keys_file=str(path), decision_headers=True)
     body = chat_body("Summarise my account.")
     async with aiohttp.ClientSession() as s:
         c = Client(s, gw, replica)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from router.body import decode_body
 from router.errors import APIError, bad_request
 from router.fleet import Fleet
 from router.forwarding import Attempt, Job, least_loaded, load_order
@@ -57,7 +58,19 @@ async def _read(handlers: Handlers, request: web.Request, tenant: str) -> tuple[
     content_type = request.headers.get("Content-Type", "").strip().lower()
     if content_type.startswith(MULTIPART):
         # Forwarded as sent (its boundary is in the header), within the same bounds.
+        # Content-Encoding is never forwarded, so a compressed upload is forwarded decoded
+        # (it went out still compressed and labelled plain), within max_body_bytes.
         raw = await handlers.read_body(request, tenant=tenant, as_sent=True)
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity"):
+            if coding not in ("gzip", "x-gzip", "deflate"):
+                raise APIError(
+                    415,
+                    f"Content-Encoding {coding[:50]!r} is not supported; send the body as is, "
+                    "gzip or deflate",
+                    code="unsupported_content_encoding",
+                )
+            raw = await decode_body(coding, raw, handlers.gw.config.max_body_bytes)
         return raw, request.headers["Content-Type"]
     return await handlers.read_body(request, tenant=tenant), "application/json"
 

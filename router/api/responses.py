@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.errors import bad_request
+from router.errors import bad_request, clip
 
 
 def _first_text(parts: Any) -> str:
@@ -64,7 +64,7 @@ def _item_message(item: dict[str, Any], prev: dict[str, Any] | None) -> dict[str
             return None
         return {"role": "assistant", "content": text}
     if not isinstance(item.get("role"), str):
-        raise bad_request(f"unsupported input item type {kind!r}", "input")
+        raise bad_request(f"unsupported input item type {clip(repr(kind))}", "input")
     return {k: v for k, v in item.items() if k not in ("type", "id", "status")}
 
 
