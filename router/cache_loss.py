@@ -4,12 +4,12 @@ a cache reset) and forget everything the index says it holds.
 One request reporting no cached tokens where the index predicted some is not enough: a
 tenant could send those at will (vLLM skips the cache read for prompt logprobs, and whatever
 else makes a replica miss) and wipe what every other tenant's routing knew about that
-replica. A reset needs consistent evidence: ``REPORTS`` misses of different prompts, with no
-hit reported by the replica in between, from at least two tenants, or from one tenant over
-at least ``SPAN_S`` seconds (a single-tenant deployment), all within ``WINDOW_S``. A replica
-that truly lost its cache misses on every prompt, so this comes quickly under real traffic;
-until it does, a stale prefix costs one misrouted request and is recorded again where it
-went.
+replica. A reset needs consistent evidence: misses of ``REPORTS`` different prompts within
+``WINDOW_S``; with auth on, from at least two tenants, or from one over at least ``SPAN_S``
+seconds. (With auth off every client is trusted and tenants name themselves.) A replica that
+truly lost its cache misses on every prompt it held, so this comes quickly under real
+traffic; until it does, a stale prefix costs one misrouted request and is recorded again
+where it went.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ WINDOW_S = 120.0  # misses older than this are forgotten
 
 @dataclass
 class LostCache:
-    """One replica's recent misses where the index predicted a hit."""
+    """One replica's recent misses where the index predicted a hit. ``tenants_apart``: one
+    tenant's misses count only over ``SPAN_S`` (auth on)."""
 
+    tenants_apart: bool = True
     misses: list[tuple[float, str, int]] = field(default_factory=list)  # (when, tenant, prompt)
-
-    def hit(self) -> None:
-        """The replica reported cached tokens: it has a cache."""
-        self.misses.clear()
 
     def miss(self, now: float, tenant: str, prompt: int) -> bool:
         """A miss where a hit was predicted (``prompt``: the prompt's last block hash); True
@@ -39,7 +37,7 @@ class LostCache:
         if len(self.misses) < REPORTS:
             return False
         tenants = {m[1] for m in self.misses}
-        if len(tenants) < 2 and now - self.misses[0][0] < SPAN_S:
+        if self.tenants_apart and len(tenants) < 2 and now - self.misses[0][0] < SPAN_S:
             return False
         self.misses.clear()
         return True

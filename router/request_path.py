@@ -633,12 +633,9 @@ class RequestPath:
         kv_events = self.wiring.kv_events
         if kv_events is not None and kv_events.is_up(decision.replica):
             return  # the replica's events keep the index exact
-        evidence = self._lost.setdefault(decision.replica, LostCache())
-        if reported > 0:
-            evidence.hit()
-        elif decision.matched_blocks >= 2 and rr.block_hashes:
-            last = rr.block_hashes[-1]
-            if evidence.miss(time.monotonic(), rr.tenant, last):
+        if reported == 0 and decision.matched_blocks >= 2 and rr.block_hashes:
+            evidence = self._lost.setdefault(decision.replica, LostCache(self.config.auth))
+            if evidence.miss(time.monotonic(), rr.tenant, rr.block_hashes[-1]):
                 # Misses of different prompts, from different tenants or over time: the
                 # replica's cache was lost (restart, reset) behind our back. Forget what we
                 # believed about it but this request.
