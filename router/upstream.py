@@ -10,6 +10,7 @@ and relays bytes back, so that is all this does. Health checks and metric scrape
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -274,9 +275,11 @@ class UpstreamPool:
             head += (b"\r\n", _wire(k), b": ", _wire(v))
         head += (b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n\r\n")
         request = b"".join(head)
+        expected = _request_id(headers)
         loop = asyncio.get_running_loop()
+        fresh_only = False
         while True:
-            conn, reused = self._take_idle(origin, loop), True
+            conn, reused = None if fresh_only else self._take_idle(origin, loop), True
             if conn is None:
                 if on_sent is not None:
                     await on_sent()
@@ -303,6 +306,16 @@ class UpstreamPool:
             except BaseException:
                 conn.abort()
                 raise
+            echoed = next((v for k, v in conn.headers if k.lower() == "x-request-id"), None)
+            if expected is not None and echoed is not None and echoed != expected:
+                # An answer to some other request (a late or unsolicited one on a pooled
+                # connection): never anyone's. vLLM echoes X-Request-Id (with
+                # --enable-request-id-headers); one fresh connection, then give up.
+                conn.abort()
+                if reused and not fresh_only:
+                    fresh_only = True
+                    continue
+                raise UpstreamError("bad response: X-Request-Id is another request's")
             return Response(self, origin, conn, self.read_timeout)
 
     def _origin(self, origin: str) -> tuple[str, int, ssl.SSLContext | None, bytes]:
@@ -337,8 +350,14 @@ class UpstreamPool:
         now = loop.time()
         while idle:
             conn = idle.pop()
-            # Bytes that arrived while idle (a 408, say) belong to no request of ours.
-            if not conn.closed and not conn.got_bytes and now - conn.idle_since < self.keepalive_s:
+            # Bytes that arrived while idle (a 408, say) belong to no request of ours, whether
+            # the loop has read them yet or they still wait in the socket.
+            if (
+                not conn.closed
+                and not conn.got_bytes
+                and now - conn.idle_since < self.keepalive_s
+                and not _unread(conn)
+            ):
                 return conn
             conn.abort()
         return None
@@ -360,6 +379,30 @@ class UpstreamPool:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
+
+
+def _request_id(headers: Mapping[str, str]) -> str | None:
+    for k, v in headers.items():
+        if k.lower() == "x-request-id":
+            return v
+    return None
+
+
+def _unread(conn: _Connection) -> bool:
+    """Whether an idle plain-TCP connection has bytes (or an EOF) the loop has not read yet
+    (TLS has records of its own between requests; the X-Request-Id check covers it)."""
+    transport = conn.transport
+    if transport is None or transport.get_extra_info("sslcontext") is not None:
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def _wire(text: str) -> bytes:

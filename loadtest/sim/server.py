@@ -246,6 +246,7 @@ class SimReplica:
         r.add_post("/v1/responses", apis.responses)
         r.add_get("/v1/responses/{response_id}", apis.retrieve)
         r.add_post("/v1/responses/{response_id}/cancel", apis.cancel)
+        app.on_response_prepare.append(_echo_request_id)
         return app
 
     @web.middleware
@@ -344,3 +345,11 @@ async def run_replicas(
     finally:
         for r in replicas:
             await r.stop()
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names the request it answers, as vLLM's with --enable-request-id-headers
+    (the gateway checks it on pooled connections)."""
+    rid = request.headers.get("X-Request-Id")
+    if rid and "X-Request-Id" not in response.headers:
+        response.headers["X-Request-Id"] = rid
