@@ -1,24 +1,18 @@
-"""Credentials never reach a log line, at any level: a filter on the gateway's logger and
-aiohttp's rewrites each record's message (and its traceback) with API keys, bearer tokens,
-admin keys and cookies replaced. aiohttp logs a malformed request head verbatim at debug
-level, ``Authorization: Bearer sk-...`` included; a client can put a key anywhere."""
+"""Credentials never reach a log line, at any level: every log record the process makes (the
+gateway's loggers, aiohttp's, any other) has its message and traceback rewritten with API
+keys, bearer tokens, admin keys and cookies replaced, as it is made (a log record factory:
+a filter on a logger would miss its children's records). aiohttp logs a malformed request
+head verbatim, ``Authorization: Bearer sk-...`` included; a client can put a key anywhere.
+Only records that are emitted are made, so the cost is per line logged."""
 
 from __future__ import annotations
 
 import logging
 import re
 import traceback
+from typing import Any
 
 MASK = "[redacted]"
-LOGGERS = (
-    "prefix_router",
-    "aiohttp.access",
-    "aiohttp.client",
-    "aiohttp.internal",
-    "aiohttp.server",
-    "aiohttp.web",
-    "aiohttp.websocket",
-)
 # A credential header's value up to the end of its line (or of the quoted repr it sits in;
 # keys hold no backslash or quote); then bearer tokens and sk- style keys anywhere.
 _HEADER = re.compile(
@@ -35,29 +29,31 @@ def redact(text: str) -> str:
     return _KEY.sub(lambda m: m.group(1) + "-" + MASK, text)
 
 
-class RedactFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a broken format: keep the template, drop the arguments
-            message = str(record.msg)
-        record.msg, record.args = redact(message), None
-        if record.exc_info:
-            text = "".join(traceback.format_exception(*record.exc_info))
-            record.exc_text, record.exc_info = redact(text.rstrip("\n")), None
-        elif record.exc_text:
-            record.exc_text = redact(record.exc_text)
-        if record.stack_info:
-            record.stack_info = redact(record.stack_info)
-        return True
-
-
-_FILTER = RedactFilter()
+def redact_record(record: logging.LogRecord) -> None:
+    try:
+        message = record.getMessage()
+    except Exception:  # a broken format: keep the template, drop the arguments
+        message = str(record.msg)
+    record.msg, record.args = redact(message), None
+    if record.exc_info:
+        text = "".join(traceback.format_exception(*record.exc_info))
+        record.exc_text, record.exc_info = redact(text.rstrip("\n")), None
+    elif record.exc_text:
+        record.exc_text = redact(record.exc_text)
+    if record.stack_info:
+        record.stack_info = redact(record.stack_info)
 
 
 def install() -> None:
-    """Add the filter to the gateway's and aiohttp's loggers (once)."""
-    for name in LOGGERS:
-        logger = logging.getLogger(name)
-        if _FILTER not in logger.filters:
-            logger.addFilter(_FILTER)
+    """Make every log record of this process redacted (once)."""
+    previous = logging.getLogRecordFactory()
+    if getattr(previous, "redacts", False):
+        return
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        redact_record(record)
+        return record
+
+    factory.redacts = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
