@@ -25,6 +25,7 @@ _TYPES = {
 
 
 ECHO_CHARS = 200  # a client's string quoted back in an error: at most this much of it
+MAX_MESSAGE_CHARS = 1024  # an error message, whatever it quotes
 
 
 def clip(text: str, limit: int = ECHO_CHARS) -> str:
@@ -47,13 +48,14 @@ class APIError(Exception):
         close_connection: bool = False,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         # Answer, then close: for a request whose body was not (fully) read, so the rest of
         # it is neither read nor waited for.
         self.close_connection = close_connection
         self.headers = headers or {}  # sent with the error (e.g. Retry-After on a 429)
         self.status = status
-        self.message = message
+        self.message = message  # cut above: whatever of the client's it quotes, it stays short
         self.param = param
         self.code = code
         self.type = type_ or _TYPES.get(status, "APIError")

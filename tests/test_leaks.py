@@ -147,6 +147,12 @@ async def test_a_huge_model_name_is_cut_in_the_error(fleet, gateway):
     assert status == 404, str(answer)[:300]
     assert answer["error"]["param"] == "model"
     assert len(json.dumps(answer)) < 1000
+    # Any other error quoting a client's string stays short too.
+    async with aiohttp.ClientSession() as s:
+        body = chat_body("hi", messages=[{"role": "user", "content": [{"type": "x" * 100_000}]}])
+        status, _, answer = await post(s, gw.url + "/v1/chat/completions", body)
+    assert status == 400, str(answer)[:300]
+    assert len(json.dumps(answer)) < 1500
 
 
 async def test_replica_header_is_off_with_auth_and_never_a_url(tmp_path, fleet, gateway):
