@@ -37,15 +37,17 @@ async def _ask(pool: UpstreamPool, url: str, request_id: str) -> dict[str, str]:
 async def test_an_answer_naming_another_request_is_never_delivered(raw_replica):  # noqa: F811
     """The replica answers the second request on a connection first with a late answer to
     the first one (as if it had been sent late), then with the right one."""
-    served: dict[int, str] = {}  # connection -> the last request id it answered
+    # connection -> the last request id it answered (the writer itself as the key: an id()
+    # of a closed connection's writer can come back for a new one)
+    served: dict[asyncio.StreamWriter, str] = {}
 
     async def late(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
         rid = parse_head(head)["x-request-id"]
-        previous = served.get(id(w))
+        previous = served.get(w)
         if previous is not None:
             w.write(answer({"for": previous}, previous))  # the late one, for someone else
         w.write(answer({"for": rid}, rid))
-        served[id(w)] = rid
+        served[w] = rid
 
     server = await raw_replica(late)
     pool = UpstreamPool(connect_timeout=5, read_timeout=5)
