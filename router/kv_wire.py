@@ -12,6 +12,7 @@ Everything from the wire is untrusted: a malformed message raises ``WireError`` 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +102,21 @@ def decode_batch(payload: bytes, max_items: int = 4_000_000) -> list[Event]:
     return list(iter_events(payload, max_items))
 
 
-def iter_events(payload: bytes, max_items: int = 4_000_000) -> Iterator[Event]:
+def digest(payload: bytes) -> int:
+    """A batch's identity for telling publishers apart: a checksum of its head (which holds
+    the publisher's timestamp) and tail, and its length; constant time on a huge message."""
+    if len(payload) <= 8192:
+        return zlib.crc32(payload)
+    return zlib.crc32(payload[-4096:], zlib.crc32(payload[:4096])) ^ len(payload)
+
+
+MAX_EVENTS = 65_536  # per batch: a vLLM step's (one store per request, one removal per
+# evicted block: a few thousand at most); more is a hostile publisher's, refused unread
+
+
+def iter_events(
+    payload: bytes, max_items: int = 4_000_000, max_events: int = MAX_EVENTS
+) -> Iterator[Event]:
     """The events of one payload, decoded one at a time (a caller can yield to its loop
     between them: a 40 MB batch decoded at once held the loop for 0.7 s). Raises
     ``WireError`` (possibly after some events) when the payload is not an event batch."""
@@ -125,6 +140,8 @@ def iter_events(payload: bytes, max_items: int = 4_000_000) -> Iterator[Event]:
         raise
     except Exception as e:  # msgpack raises several types (and ValueError on limits)
         raise WireError(_shape_or_bytes(payload), type(e).__name__) from None
+    if n > max_events:
+        raise WireError("too_many_events", str(n))
     for _ in range(n):
         try:
             raw = unpacker.unpack()

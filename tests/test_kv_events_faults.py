@@ -16,8 +16,24 @@ from typing import Any
 import aiohttp
 
 from loadtest.sim.kvcache import block_hashes
+from router.blocks import continue_chain, root_hash
+from router.index import MemoryIndex
+from router.kv_events import Endpoints, KVEventSubscriber
 from tests.helpers import post
-from tests.test_kv_events import BS, KV, body, endpoints, held, mixed, send, settled, truth
+from tests.test_kv_events import (
+    BS,
+    KV,
+    FakePublisher,
+    batch,
+    body,
+    endpoints,
+    held,
+    mixed,
+    send,
+    settled,
+    stored,
+    truth,
+)
 
 
 async def start(fleet, gateway, **sim: Any):
@@ -139,3 +155,73 @@ async def test_restarts_resync_from_the_new_publishers_seq_0(fleet, gateway):
             probes = probes[-20:] + bodies
             await exact(gw, r, probes)
     assert stream.errors.get("unknown_parent", 0) == 0
+
+
+async def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_placed(
+    fleet, gateway
+):
+    r, gw, sub, stream = await start(fleet, gateway, num_gpu_blocks=120)
+    vocab = gw.gateway.renderer.vocab_size
+    ok = list(range(100, 100 + 4 * BS))
+    async with aiohttp.ClientSession() as session:
+        for prompt in ([*ok, vocab], [ok, [vocab + 5]], [*ok, -1]):
+            status, _, err = await post(
+                session,
+                gw.url + "/v1/completions",
+                {"model": "Qwen/Qwen3-0.6B", "prompt": prompt, "max_tokens": 4},
+            )
+            assert status == 400, err
+            assert err["error"]["type"] == "BadRequestError" and "vocabulary" in str(err)
+        assert r.stats["requests"] == 0  # never forwarded
+        assert len(stream.placements) == 0 and gw.gateway.index.size(r.url) == 0
+        # The same ids within the vocabulary are served, placed and confirmed.
+        status, _, _ = await post(
+            session,
+            gw.url + "/v1/completions",
+            {"model": "Qwen/Qwen3-0.6B", "prompt": [*ok, vocab - 1], "max_tokens": 4},
+        )
+        assert status == 200
+    await settled(gw, [r])
+    await sub.wait(lambda: held(gw, r.url) == truth(r) != set())
+
+
+async def test_offloaded_blocks_and_other_kv_cache_groups_are_kept_apart():
+    """A CPU offload tier publishes its own stores and removals, a hybrid model's other KV
+    cache groups theirs: only GPU blocks of group 0 count as held, and a removal elsewhere
+    does not uncount them."""
+    fake = FakePublisher()
+    index = MemoryIndex()
+    url = "http://replica"
+    sub = KVEventSubscriber(
+        index, lambda urls: {u: Endpoints(fake.endpoint) for u in urls}, lambda: [url], lambda: BS
+    )
+    await sub.start()
+    try:
+        await fake.subscribed()
+        stream = sub.streams[url]
+        tokens = list(range(3 * BS))
+        gpu = set(continue_chain(root_hash(), tokens, BS))
+        frames = [
+            batch(stored(tokens, None, [1, 2, 3])),
+            batch(stored(tokens, None, [1, 2, 3], medium="CPU")),  # offloaded copies
+            batch(stored(tokens[:BS], None, [1], group_idx=1)),  # another group
+            batch(
+                {"type": "BlockRemoved", "block_hashes": [2, 3], "medium": "CPU"},
+                {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1},
+            ),
+        ]
+        for seq, payload in enumerate(frames):
+            await fake.send(b"", seq.to_bytes(8, "big"), payload)
+        await sub.wait(lambda: stream.last_applied == len(frames) - 1)
+        assert index.blocks(url) == gpu and stream.other_tier_blocks == 4
+        await fake.send(
+            b"",
+            len(frames).to_bytes(8, "big"),
+            batch({"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 0}),
+        )
+        await sub.wait(lambda: stream.last_applied == len(frames))
+        assert index.blocks(url) == gpu - {continue_chain(root_hash(), tokens, BS)[2]}
+        assert stream.errors == {}
+    finally:
+        await sub.stop()
+        fake.close()

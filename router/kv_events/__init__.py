@@ -8,14 +8,26 @@ block 0's extra keys and the adapter from ``lora_name``: so salted and LoRA bloc
 exactly as on the replica. Stored blocks are recorded, removed ones forgotten, and
 ``AllBlocksCleared`` drops the replica. A hash may be held by several physical blocks (two
 requests computing the same prefix at once): each store counts, each removal uncounts, and the
-block leaves the index when no holder is left.
+block leaves the index when no holder is left. Only the GPU tier (``medium`` "GPU") of KV cache
+group 0 counts: an offload tier's and a hybrid model's other groups' events are kept apart
+(``holders``).
+
+Who does what: ``streams`` (one replica's stream state), ``position`` (sequence, replay,
+restarts), ``replay`` (the replay socket), ``apply`` (events -> index writes, resets,
+rebuilds), ``checks`` and ``placements`` (the gateway's own records, checked against the
+events), ``takeover`` and ``ownership`` (fleet mode), ``subscriber`` (sockets, liveness, and
+the wiring), ``precise_index`` (the index the gateway routes with).
 
 Sequence numbers: a live message past the next expected seq is a gap, caught up from the
-replay socket (``[b"", start]`` to vLLM's ROUTER). If the replay cannot cover it (no replay
-endpoint, buffer too short, no answer), or the live seq goes backwards (a new publisher
-process), the replica is reset: its index entries are dropped and rebuilt from the events that
-follow. A stale "held" entry sends prefixes to a cold replica; a missing one only misses an
-affinity, so doubt resolves to forgetting.
+replay socket (``[b"", start]`` to vLLM's ROUTER). A replay starts at the last batch applied
+and compares its checksum, so a restarted publisher (seq from 0 again) is told apart even once
+its seq has passed the old one; a reconnected socket is checked that way before anything live
+is applied, as is a replica back from a health gap, and the live seq going backwards or the
+replica's counters resetting are restarts too. A restart drops the replica's entries and
+replays the new publisher from seq 0 (never joins live traffic midway). A gap the replay
+cannot cover (buffer too short) resets the replica and joins at the oldest batch buffered;
+without a replay endpoint, where the live stream is. A stale "held" entry sends prefixes to a
+cold replica; a missing one only misses an affinity, so doubt resolves to forgetting.
 
 How it combines with the approximate model: the gateway still records a prompt's blocks when
 it places a request (events arrive only once the replica schedules it, and a second request
@@ -23,19 +35,25 @@ for the same prefix must follow the first meanwhile). The replica stores every f
 the prompt, so the events that follow record the same hashes, and its evictions remove them.
 What the events do not confirm (a request that failed, a tokenization the replica does not
 share, a record that landed after the block's removal event) is retracted once the request's
-outcome is known plus a short settle, or ``timeout_s`` after the placement without one
-(``placements``): the index is what the events say plus the placements whose events are still
-due, bounded by the replica's size. Retracting a failed request's blocks (``forget``) spares
-blocks the events say are held.
+outcome is known plus a short settle, at once for a request the replica refused (4xx), or
+``timeout_s`` after the placement without an outcome (``checks``), sparing what the events
+hold or another placement still waits for: the index is what the events say plus the
+placements whose events are still due, bounded by the replica's size.
 
 A batch's index writes go out after its events, consecutive removals as one ``forget``: vLLM
 sends one ``BlockRemoved`` per evicted block, and a round trip each (Redis, in fleet mode)
-left a busy replica's stream ~100 batches behind, the index holding what it had evicted.
+left a busy replica's stream ~100 batches behind, the index holding what it had evicted. A
+batch is decoded and applied a slice at a time, messages are capped in size, and junk is
+counted per batch: a hostile publisher cannot hold the loop.
 
 Liveness, per replica: up while the SUB socket is connected (ZMQ's socket monitor) and the
-replica answers placements with events: a placement after which no event came for
-``timeout_s`` marks it down (the publisher is wedged, or misconfigured, e.g. a wrong topic).
-Down, the replica is routed on the approximate model, which placements kept feeding all along:
+replica answers placements with events or its replay socket answers: a placement followed by
+no event for ``timeout_s`` is asked about through the replay (an idle publisher sends nothing
+when nothing happened; silence is not loss); with no answer the stream is marked down (a
+wedged or misconfigured publisher). Down, the replica is routed on the approximate model,
+which placements kept feeding all along, and its placements wait: once the stream is back,
+they are checked and the replica's entry is rebuilt from the events' held set (the
+approximate model's LRU trimmed it in its own order meanwhile).
 ``prefix_router_kv_events_up{replica}`` says which.
 
 Fleet mode: every gateway follows every stream (its local view stays exact), one gateway per

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,12 +24,14 @@ from router.kv_wire import (
     BlockStored,
     Skipped,
     WireError,
+    digest,
     iter_events,
 )
 
 log = logging.getLogger("prefix_router.kv_events")
 
-EVENTS_PER_SLICE = 512  # events applied between two yields to the loop
+CHECK_EVERY = 64  # events between two looks at the clock
+SLICE_S = 0.001  # a batch yields to the loop after this much work
 REBUILD_CHUNK = 2048  # blocks per write when an entry is rebuilt
 
 
@@ -94,13 +96,14 @@ class Applier:
     async def apply(self, stream: Stream, seq: int, payload: bytes) -> None:
         """One batch: its events to the holders, then its writes to the index, logged."""
         stream.last_applied = seq
-        stream.last_crc = zlib.crc32(payload)
+        stream.last_crc = digest(payload)
         stream.batches += 1
         ops: list[Op] = []
         stream.oplog.append((f"{seq}:{stream.last_crc}", ops))
         stream.applying = True
         shared = stream.owned
         skipped: dict[str, int] = {}  # counted once per batch: junk stays cheap
+        sliced = time.perf_counter()
         try:
             for i, event in enumerate(iter_events(payload), 1):
                 if isinstance(event, BlockStored):
@@ -118,8 +121,9 @@ class Applier:
                         ops.append(("capacity", [cap]))
                 elif isinstance(event, Skipped):
                     skipped[event.reason] = skipped.get(event.reason, 0) + 1
-                if i % EVENTS_PER_SLICE == 0:
+                if i % CHECK_EVERY == 0 and time.perf_counter() - sliced > SLICE_S:
                     await asyncio.sleep(0)  # a huge batch must not hold the loop
+                    sliced = time.perf_counter()
         except WireError as e:
             self.count(stream, e.reason, 1)
         finally:

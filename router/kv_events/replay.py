@@ -15,14 +15,13 @@ import asyncio
 import enum
 import logging
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
 from router.kv_events.streams import Stream
-from router.kv_wire import WireError, parse_frames
+from router.kv_wire import WireError, digest, parse_frames
 
 log = logging.getLogger("prefix_router.kv_events")
 
@@ -121,7 +120,7 @@ class Replayer:
                 if seq < last:
                     continue
                 if seq == last:
-                    if zlib.crc32(payload) != crc:
+                    if digest(payload) != crc:
                         return Replay.OTHER_PUBLISHER
                     matched = True
                     continue
