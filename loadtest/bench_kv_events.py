@@ -2,7 +2,8 @@
 one Redis (fleet mode), replicas restarted mid-run.
 
     python -m loadtest.bench_kv_events [--gateways 3] [--replicas 4] [--blocks 400]
-                                       [--tenants 40] [--requests 480] [--restarts 2]
+                                       [--tenants 40] [--requests 480] [--restarts 1]
+                                       [--outages 1] [--rejections 24]
 
 In one process: a throwaway redis-server, ``--replicas`` simulated replicas with ``--blocks``
 KV blocks each (block size 16, prefill at ``--prefill-tps`` tokens/s, so TTFT follows the
@@ -10,8 +11,12 @@ uncached tokens) and ``--gateways`` gateways in fleet mode; every request goes t
 gateway (the hard case: consecutive requests of a tenant rarely reach the same gateway). The
 workload is ``--tenants`` tenants with a ~700-token shared context each, picked at random,
 ``--concurrency`` requests in flight, streamed: the working set (tenants x context blocks) is
-larger than the fleet's KV memory. ``--restarts`` times during the run, a replica restarts (a
-new process on the same ports: empty cache, its event stream from seq 0). The same seeded
+larger than the fleet's KV memory. The fault schedule, spread over the run: ``--restarts``
+times a replica restarts (a new process on the same ports: empty cache, its event stream from
+seq 0); ``--outages`` times a replica's publisher is cut off for ``--outage-batches`` rounds of
+requests (its engine goes on; precise mode routes that replica on the approximate model
+meanwhile, then catches up); ``--rejections`` requests are refused by their replica with a
+400 before it computes anything (excluded from the figures below). The same seeded
 workload runs in three modes: approximate with the old full-prompt records (``refresh_blocks``
 off: every record rewrites every block, as before), approximate with bounded records (the
 fleet-mode default), and precise (``kv_events`` on; one gateway per replica stream writes).
@@ -146,21 +151,31 @@ async def drive(
     client = primary_of(gws[0]).client
     calls0 = await redis_calls(client)
     written0 = sum(primary_of(g).written_blocks for g in gws)
-    restart_at = {
-        args.requests * (k + 1) // (args.restarts + 1) // args.concurrency * args.concurrency: k
-        for k in range(args.restarts)
-    }
+    rounds = list(range(0, len(work), args.concurrency))
+
+    def spread(n: int, offset: float = 0.0) -> dict[int, int]:
+        """Round start -> fault number k, for n faults spread over the run."""
+        return {
+            rounds[min(len(rounds) - 1, int(len(rounds) * (k + 1 + offset) / (n + 1)))]: k
+            for k in range(n)
+        }
+
+    restart_at = spread(args.restarts)
+    outage_at = spread(args.outages, offset=-0.5)
+    reject_at = spread(args.rejections, offset=0.25)
+    resume_at: dict[int, SimReplica] = {}
+    rejected = 0
 
     async with aiohttp.ClientSession() as session:
 
         async def one(body: dict[str, Any]) -> None:
             nonlocal predicted, reported, prompt, ideal
+            nonlocal rejected
             raw = json.dumps(body).encode()
             rr = await gws[0].gateway.path.prepare(raw, {}, "chat", "bench")
             run_ = 0
             while run_ < len(rr.block_hashes) and rr.block_hashes[run_] in seen:
                 run_ += 1
-            seen.update(rr.block_hashes)
             gw = rng.choice(gws)
             t0 = time.perf_counter()
             first = None
@@ -170,7 +185,11 @@ async def drive(
                 data=raw,
                 headers={"Content-Type": "application/json"},
             ) as resp:
+                if resp.status == 400 and b"Simulated failure" in await resp.read():
+                    rejected += 1  # the replica refused it: it computed nothing
+                    return
                 assert resp.status == 200, await resp.text()
+                seen.update(rr.block_hashes)
                 blocks = int(resp.headers["x-prefix-router-cached-blocks"])
                 async for line in resp.content:
                     if first is None:
@@ -185,16 +204,30 @@ async def drive(
             prompt += tokens
             ideal += min(run_, (tokens - 1) // 16) * 16
 
-        for i in range(0, len(work), args.concurrency):
+        for n, i in enumerate(rounds):
             if i in restart_at:
                 sim = sims[restart_at[i] % len(sims)]
                 await sim.stop()
                 await sim.start(port=sim.port)
+            if i in outage_at and precise:
+                sim = sims[(outage_at[i] + 1) % len(sims)]
+                assert sim.kv_events is not None
+                await sim.kv_events.pause()
+                resume_at[rounds[min(len(rounds) - 1, n + args.outage_batches)]] = sim
+            if i in resume_at:
+                pub = resume_at.pop(i).kv_events
+                assert pub is not None
+                await pub.resume()
+            if i in reject_at:
+                rng.choice(sims).fail_next(1, 400)
             await asyncio.gather(*(one(b) for b in work[i : i + args.concurrency]))
+        for sim in resume_at.values():
+            assert sim.kv_events is not None
+            await sim.kv_events.resume()
     for g in gws:
         while g.gateway._background:
             await asyncio.gather(*list(g.gateway._background), return_exceptions=True)
-    n = len(work)
+    n = len(work) - rejected
     calls = await redis_calls(client) - calls0 - 1
     written = sum(primary_of(g).written_blocks for g in gws) - written0
     applied = shared = 0
@@ -214,6 +247,7 @@ async def drive(
         "cmds_per_req": calls / n,
         "event_batches_applied": applied,
         "event_batches_shared": shared,
+        "rejected": rejected,
     }
 
 
@@ -221,12 +255,14 @@ async def main_async(args: argparse.Namespace) -> None:
     renderer = await asyncio.to_thread(Renderer.from_pretrained, str(tokenizer_dir()))
     print(
         f"{args.gateways} gateways, {args.replicas} replicas x {args.blocks} blocks, "
-        f"{args.tenants} tenants, {args.requests} requests, {args.restarts} restarts",
+        f"{args.tenants} tenants, {args.requests} requests; faults: {args.restarts} restarts, "
+        f"{args.outages} publisher outages of {args.outage_batches} rounds, "
+        f"{args.rejections} rejections",
         flush=True,
     )
     print(
         f"{'mode':<12}{'hit':>7}{'ideal':>7}{'/ideal':>7}{'mispred':>9}{'p50 s':>8}{'p99 s':>8}"
-        f"{'blk/req':>9}{'cmd/req':>9}  events written/applied"
+        f"{'blk/req':>9}{'cmd/req':>9}{'rej':>5}  events written/applied"
     )
     for mode in args.modes:
         r = await run(mode, args, renderer)
@@ -238,7 +274,7 @@ async def main_async(args: argparse.Namespace) -> None:
         print(
             f"{mode:<12}{r['hit']:>7.3f}{r['ideal']:>7.3f}{r['hit'] / r['ideal']:>7.3f}"
             f"{r['mispredicted']:>+9.3f}{r['ttft_p50_s']:>8.3f}{r['ttft_p99_s']:>8.3f}"
-            f"{r['blocks_per_req']:>9.1f}{r['cmds_per_req']:>9.1f}  {events}",
+            f"{r['blocks_per_req']:>9.1f}{r['cmds_per_req']:>9.1f}{r['rejected']:>5.0f}  {events}",
             flush=True,
         )
 
@@ -257,7 +293,14 @@ def main(argv: list[str] | None = None) -> None:
         default=120,
         help="the shared context's sentence repeated this often (120: ~700 tokens, ~45 blocks)",
     )
-    p.add_argument("--restarts", type=int, default=2, help="replica restarts during the run")
+    p.add_argument("--restarts", type=int, default=1, help="replica restarts during the run")
+    p.add_argument("--outages", type=int, default=1, help="publisher outages (precise mode)")
+    p.add_argument(
+        "--outage-batches", type=int, default=8, help="rounds of requests an outage lasts"
+    )
+    p.add_argument(
+        "--rejections", type=int, default=24, help="requests the replica refuses with a 400"
+    )
     p.add_argument("--prefill-tps", type=float, default=20_000, help="simulated prefill rate")
     p.add_argument(
         "--redis-timeout-ms",
