@@ -79,6 +79,7 @@ class Position:
         if not stream.replay_ok:
             return False
         stream.verified = True
+        stream.doubt = False
         return True
 
     async def resync(self, stream: Stream, why: str) -> None:
@@ -91,3 +92,4 @@ class Position:
         stream.checked_at = time.monotonic()
         if await self.replayer.replay(stream) is not Replay.FAILED:
             stream.verified = True
+            stream.doubt = False

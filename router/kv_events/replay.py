@@ -124,7 +124,7 @@ class Replayer:
                         return Replay.OTHER_PUBLISHER
                     matched = True
                     continue
-                if not stream.verified:
+                if stream.doubt:
                     return Replay.HOLE  # cannot tell this publisher from another
                 matched = True  # the same publisher (nothing said otherwise), batch gone
             current = stream.last_applied

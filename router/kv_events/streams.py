@@ -74,6 +74,9 @@ class Stream:
     last_applied: int | None = None
     last_crc: int | None = None
     verified: bool = False
+    # Something suggested another publisher (a disconnect, a health gap): until a replay shows
+    # our last batch, a replay that cannot (its buffer starts after it) is not trusted.
+    doubt: bool = False
     checked_at: float = float("-inf")  # when the replay last checked the position
     replay_ok: bool = True  # whether that replay answered
     live_seq: int | None = None  # seq of the last message on the SUB socket

@@ -332,12 +332,17 @@ class KVEventSubscriber:
         """The fleet's view of a replica: a health gap may hide a restart the stream has not
         shown (a new process that already passed the old seq): check through the replay."""
         stream = self._streams.get(url)
-        if event == "unhealthy":
+        if event == "removed" and stream is not None:
+            # Gone from the fleet: closed now (a resync would wait on a replica that left).
+            del self._streams[url]
+            self._spawn(self._close(stream))
+        elif event == "unhealthy":
             self._unhealthy.add(url)
         elif event == "healthy" and url in self._unhealthy:
             self._unhealthy.discard(url)
             if stream is not None:
                 stream.verified = False
+                stream.doubt = True
                 self._spawn(self.catch_up(url))
 
     # -- placements -----------------------------------------------------------------------
@@ -383,6 +388,7 @@ class KVEventSubscriber:
                 continue
             stream.connected = connected
             stream.verified = False  # a new connection may be a new publisher: check first
+            stream.doubt = stream.doubt or (connected and stream.disconnects > 0)
             if connected:
                 stream.disconnected_since = None
                 if stream.endpoints.replay:
