@@ -193,7 +193,10 @@ async def test_offloaded_blocks_and_other_kv_cache_groups_are_kept_apart():
     index = MemoryIndex()
     url = "http://replica"
     sub = KVEventSubscriber(
-        index, lambda urls: {u: Endpoints(fake.endpoint) for u in urls}, lambda: [url], lambda: BS
+        index,
+        lambda urls: {u: Endpoints(fake.endpoint) for u in urls},
+        lambda: [url],
+        lambda url: BS,
     )
     await sub.start()
     try:
