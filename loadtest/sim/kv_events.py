@@ -146,6 +146,10 @@ class KVEventPublisher:
                 sock.close(linger=0)
         self._replay = self._pub = self._pub_async = None
 
+    def keep_steps(self, n: int) -> None:
+        """From now on the replay buffer holds only the last ``n`` messages."""
+        self._buffer = deque(self._buffer, maxlen=max(1, n))
+
     def skip_next(self, n: int) -> None:
         """Number and buffer the next ``n`` messages but do not send them."""
         self._skip += n
