@@ -18,6 +18,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from router.budget import SharedBudget
 from router.errors import APIError
@@ -61,7 +62,8 @@ class JsonCheck:
     ) -> None:
         self.limits = limits
         self.budget = budget
-        self._on_check = on_check  # "passed", "refused" or "busy" (the client's share was full)
+        # "passed", "refused", "busy" (the client's share was full) or "broken" (the child died)
+        self._on_check = on_check
         self._pool: ProcessPoolExecutor | None = None
 
     async def check(self, raw: bytes, client: str) -> None:
@@ -79,14 +81,28 @@ class JsonCheck:
                 code="overloaded",
             )
         try:
-            loop = asyncio.get_running_loop()
-            refusal = await loop.run_in_executor(self._executor(), check, raw, self.limits)
+            refusal = await self._run(raw)
         finally:
             self.budget.give_back(client, len(raw))
         self._on_check("passed" if refusal is None else "refused")
         if refusal is not None:
             status, message, param, code = refusal
             raise APIError(status, message, param=param, code=code)
+
+    async def _run(self, raw: bytes) -> _Refusal | None:
+        """``check`` in the child; a child that died (killed, out of memory) is replaced
+        once, and a second death is a 503, never a pool that fails every later body."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            try:
+                return await loop.run_in_executor(self._executor(), check, raw, self.limits)
+            except BrokenProcessPool:
+                self.close()
+                if attempt == 1:
+                    self._on_check("broken")
+        raise APIError(
+            503, "the request body could not be checked; retry shortly", code="overloaded"
+        )
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:

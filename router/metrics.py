@@ -232,7 +232,7 @@ class Metrics:
         self.json_checks = Counter(
             "prefix_router_json_checks",
             "Request bodies whose parse could hold the event loop, parsed and held to the "
-            "limits in a child process first, by outcome (passed, refused)",
+            "limits in a child process first, by outcome (passed, refused, broken: the child died)",
             ["outcome"],
             registry=r,
         )

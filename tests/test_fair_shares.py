@@ -356,3 +356,22 @@ async def test_a_gzip_bomb_is_refused_from_another_process(tmp_path, fleet, gate
     status, body = await request(gw.url, big, bearer("globex"), path="/v1/chat/completions")
     assert status == 200, body
     assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) == 1
+
+
+async def test_a_dead_checking_process_is_replaced(fleet, gateway):
+    """A child killed under the check (out of memory, an operator's kill) is replaced: the
+    next large body is checked and served, not a 500 from a broken pool forever after."""
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url])
+    big = chat_body("large", metadata={"pad": "u" * 2_400_000})  # checked out of process
+    status, body = await request(gw.url, big, "", path="/v1/chat/completions")
+    assert status == 200, body
+    pool = gw.gateway.json_check._pool
+    assert pool is not None
+    for proc in list(pool._processes.values()):
+        proc.kill()
+        proc.join()
+    status, body = await request(gw.url, big, "", path="/v1/chat/completions")
+    assert status == 200, body
+    checks = gw.gateway.metrics.registry.get_sample_value
+    assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) == 2
