@@ -93,13 +93,12 @@ class JsonCheck:
         """``check`` in the child; a child that died (killed, out of memory) is replaced
         once, and a second death is a 503, never a pool that fails every later body."""
         loop = asyncio.get_running_loop()
-        for attempt in range(2):
+        for _ in range(2):
             try:
                 return await loop.run_in_executor(self._executor(), check, raw, self.limits)
             except BrokenProcessPool:
                 self.close()
-                if attempt == 1:
-                    self._on_check("broken")
+                self._on_check("broken")
         raise APIError(
             503, "the request body could not be checked; retry shortly", code="overloaded"
         )

@@ -375,3 +375,4 @@ async def test_a_dead_checking_process_is_replaced(fleet, gateway):
     assert status == 200, body
     checks = gw.gateway.metrics.registry.get_sample_value
     assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) == 2
+    assert checks("prefix_router_json_checks_total", {"outcome": "broken"}) == 1
