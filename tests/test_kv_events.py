@@ -573,6 +573,12 @@ async def handover(client: Any, gws: list[Any], replicas: list[Any]) -> None:
                 await send(session, via[(i // 4) % len(via)].url, bodies[i : i + 4])
 
     await send_round_robin(mixed(40), gws)
+    # The test follows eviction events on every replica. How 40 prompts spread depends on the
+    # load the gateways see, so fresh prompts are added until every replica has evicted.
+    for offset in range(100, 200, 16):  # below the gap phase's prompts (offset 200)
+        if all(r.engine.pool.evictions > 0 for r in replicas):
+            break
+        await send_round_robin(mixed(16, offset=offset), gws)
     await fleet_settled(gws, replicas)
     await shared_settled(client, gws, replicas)
     assert all(r.engine.pool.evictions > 0 for r in replicas)
