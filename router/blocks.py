@@ -9,6 +9,8 @@ share block i here exactly when vLLM would let them share block i.
 
 from __future__ import annotations
 
+import functools
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -78,14 +80,21 @@ def _full_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int | No
     return n if max_blocks is None else min(n, max_blocks)
 
 
+@functools.lru_cache(maxsize=16)
+def _blocks_of(step: int) -> struct.Struct:
+    return struct.Struct(f"{step}s")
+
+
 def _chain(buf: bytes, start: int, end: int, step: int, parent: int, out: list[int]) -> int:
     """Append the chained hashes of the ``step``-byte blocks of ``buf[start:end]`` to ``out``;
     returns the last one (the parent of what follows)."""
     digest = xxhash.xxh3_64_intdigest
-    # bytes slices and a positional seed: half the cost of memoryview slices and seed=.
-    for at in range(start, end, step):
-        parent = digest(buf[at : at + step], parent)
-        out.append(parent)
+    append = out.append
+    # struct cuts the blocks in C (a fifth of the cost of slicing them in the loop); a
+    # positional seed is half the cost of seed=.
+    for (block,) in _blocks_of(step).iter_unpack(memoryview(buf)[start:end]):
+        parent = digest(block, parent)
+        append(parent)
     return parent
 
 
@@ -115,12 +124,21 @@ class ChainCache:
         lora: str | None = None,
         max_blocks: int | None = None,
         namespace: str | None = None,
+        known: Sequence[int] | None = None,
     ) -> list[int]:
+        """``known``: the hashes of the leading blocks, already computed for the same root
+        and block size (a prefix state's, router/prompt/prefix_state.py): only the blocks
+        after them are hashed."""
         n = _full_blocks(token_ids, block_size, max_blocks)
         if n == 0:
             return []
         buf = pack_tokens(token_ids)
         step = 4 * block_size
+        if known:
+            have = list(known[:n])
+            if len(have) < n:
+                _chain(buf, len(have) * step, n * step, step, have[-1], have)
+            return have
         parent = root_hash(cache_salt, lora, namespace)
         seed = parent ^ step  # the block size is part of the identity
         out: list[int] = []

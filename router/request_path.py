@@ -293,14 +293,26 @@ class RequestPath:
         self, token_ids: Sequence[int], lora: str | None, salt: str | None, entry: ModelEntry
     ) -> list[int]:
         # The model's own block size, and its namespace: no two models share an index key.
-        return self.chain_cache.block_hashes(
+        # Ids that start with a prefix state (router/prompt/prefix_state.py) hash only the
+        # blocks after its known ones, and leave theirs for the states they created.
+        prefix = getattr(token_ids, "prefix", None)
+        root = blocks.root_hash(salt, lora, entry.namespace)
+        size = entry.block_size
+        known = prefix.known_hashes(root, size) if prefix is not None else None
+        hashes = self.chain_cache.block_hashes(
             token_ids,
-            entry.block_size,
+            size,
             cache_salt=salt,
             lora=lora,
             max_blocks=self.config.max_hashed_blocks,
             namespace=entry.namespace,
+            known=known,
         )
+        if prefix is not None and known is None:
+            prefix.keep_hashes(root, size, hashes)
+        for state in getattr(token_ids, "stored", ()):
+            state.keep_hashes(root, size, hashes)
+        return hashes
 
     async def complete(self, rr: RoutedRequest) -> RoutedRequest:
         """``rr`` with every id and block hash: waits for a lazy head's tail."""

@@ -60,8 +60,15 @@ class PromptLimits:
         return prompt_too_long(self.max_prompt_chars, n)
 
     def tokenize_text(
-        self, text: str, add_special_tokens: bool, trunc: Truncation, param: str
+        self,
+        text: str,
+        add_special_tokens: bool,
+        trunc: Truncation,
+        param: str,
+        encode: Callable[[str, bool], TokenIds] | None = None,
     ) -> TokenIds:
+        """``text``'s ids, checked and truncated; ``encode``: instead of the tokenizer's
+        (a chat prompt's prefix-state path)."""
         max_len = self.max_model_len
         if (
             max_len is not None
@@ -75,7 +82,7 @@ class PromptLimits:
             )
         if len(text) > self.max_prompt_chars:
             raise self.too_long(len(text))
-        ids = self._encode(text, add_special_tokens)
+        ids = (encode or self._encode)(text, add_special_tokens)
         if add_special_tokens and trunc.tokens is not None:
             ids = self._truncate_text_only(text, ids, trunc)
         return self.post_tokenize(ids, trunc, param)

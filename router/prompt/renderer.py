@@ -19,6 +19,13 @@ from router.prompt.fields import TokenIds, as_list, plain, text_size
 from router.prompt.jinja import ContentFormat
 from router.prompt.limits import DEFAULT_MAX_PROMPT_CHARS, PromptLimits, Truncation
 from router.prompt.normalize import ChatNormalizer
+from router.prompt.prefix_state import (
+    DEFAULT_PREFIX_STATE_TOKENS,
+    PrefixState,
+    PrefixStates,
+    PromptIds,
+    message_keys,
+)
 from router.prompt.segments import DEFAULT_SEGMENT_CACHE_TOKENS, SegmentTokenizer
 from router.prompt.template import ChatTemplate
 
@@ -64,6 +71,8 @@ class Renderer:
         truncation_side: str = "left",
         default_chat_template_kwargs: Mapping[str, Any] | None = None,
         trust_request_mm_kwargs: bool = False,
+        prefix_state: bool = True,
+        prefix_state_tokens: int = DEFAULT_PREFIX_STATE_TOKENS,
     ) -> None:
         self.tokenizer = tokenizer
         special_map = getattr(tokenizer, "special_tokens_map", None) or {}
@@ -92,6 +101,12 @@ class Renderer:
             max_model_len=max_model_len,
             truncation_side=truncation_side,
         )
+        # A chat prompt that extends one seen before tokenizes only its new part
+        # (router/prompt/prefix_state.py): only on the segment path, whose cuts at added
+        # tokens make it exact, and only if no added token holds another one.
+        self._prefix: PrefixStates | None = None
+        if prefix_state and self._segments.enabled and not self._segments.contained_added():
+            self._prefix = PrefixStates(prefix_state_tokens)
         self._lazy_reason: str | None = None  # why lazy heads are off ("" = on); on first use
         self._completions = CompletionPrompts(
             self._limits,
@@ -161,9 +176,75 @@ class Renderer:
         if reused is not None:
             return reused
         text = self._render(norm)
-        return self._limits.tokenize_text(
-            text, norm["add_special_tokens"], Truncation(body, chat=True), "messages"
-        )
+        trunc = Truncation(body, chat=True)
+        return self._chat_tokens(norm, text, trunc, self._prefix_lookup(norm, text))
+
+    def _chat_tokens(
+        self,
+        norm: dict[str, Any],
+        text: str,
+        trunc: Truncation,
+        found: tuple[list[int], PrefixState | None] | None,
+    ) -> TokenIds:
+        add_special = norm["add_special_tokens"]
+        if found is None:
+            return self._limits.tokenize_text(text, add_special, trunc, "messages")
+        keys, state = found
+
+        def encode(text: str, _add_special: bool) -> TokenIds:
+            return self._prefix_ids(norm, text, keys, state)
+
+        return self._limits.tokenize_text(text, add_special, trunc, "messages", encode)
+
+    def _prefix_lookup(
+        self, norm: dict[str, Any], text: str
+    ) -> tuple[list[int], PrefixState | None] | None:
+        """The prompt's message keys and the prefix state it extends (None: none held), or
+        None when the prefix-state path does not apply (off, or not the segment path)."""
+        states = self._prefix
+        if states is None or not self._segments.split_path(norm["add_special_tokens"]):
+            return None
+        keys = message_keys(norm, segments.current_scope())
+        return keys, states.find(keys, text)
+
+    def _prefix_ids(
+        self, norm: dict[str, Any], text: str, keys: list[int], state: PrefixState | None
+    ) -> PromptIds:
+        """``text``'s ids: ``state``'s, then the rest's through the segment path; stores the
+        states later requests can extend (see router/prompt/prefix_state.py)."""
+        assert self._prefix is not None
+        seg = self._segments
+        cuts: list[tuple[int, int]] = []
+        ids = PromptIds("I")
+        base_chars = 0
+        if state is not None:
+            ids.extend(state.ids)
+            base_chars = len(state.text)
+        base_tokens = len(ids)
+        ids.extend(seg.encode_cuts(text[base_chars:] if base_chars else text, base_tokens, cuts))
+        ids.prefix = state
+        stored: list[PrefixState] = []
+        if cuts:  # the whole prompt up to its last added token: the next turn extends it
+            chars, tokens = cuts[-1]
+            new = self._prefix.store(
+                keys[-1], text[: base_chars + chars], ids[: base_tokens + tokens]
+            )
+            if new is not None:
+                stored.append(new)
+        last = norm["conversation"][-1].get("content")
+        if cuts and len(keys) > 2 and isinstance(last, str) and last:
+            # Up to the last message: another last message after the same ones extends it.
+            at = text.rfind(last, base_chars) - base_chars
+            before = [c for c in cuts if c[0] <= at]
+            if at >= 0 and before:
+                chars, tokens = before[-1]
+                new = self._prefix.store(
+                    keys[-2], text[: base_chars + chars], ids[: base_tokens + tokens]
+                )
+                if new is not None:
+                    stored.append(new)
+        ids.stored = tuple(stored)
+        return ids
 
     def chat_head(
         self, body: dict[str, Any], block_size: int, min_rest_chars: int = 0
@@ -179,8 +260,12 @@ class Renderer:
             return reused
         text = self._render(norm)
         trunc = Truncation(body, chat=True)
+        found = self._prefix_lookup(norm, text)
+        # A head is worth taking only past ``min_rest_chars`` of text no cache holds.
+        known = len(found[1].text) if found is not None and found[1] is not None else 0
         if (
-            self._lazy_ok()
+            len(text) - known > min_rest_chars
+            and self._lazy_ok()
             and trunc.tokens is None
             and self.max_model_len is None
             and len(text) <= self.max_prompt_chars
@@ -189,7 +274,7 @@ class Renderer:
             got = lazy.head(self._segments, text, block_size, min_rest_chars)
             if got is not None and got.ids:
                 return got
-        return self._limits.tokenize_text(text, norm["add_special_tokens"], trunc, "messages")
+        return self._chat_tokens(norm, text, trunc, found)
 
     def _lazy_ok(self) -> bool:
         if self._lazy_reason is None:
@@ -306,3 +391,15 @@ class Renderer:
 
     def clear_cache(self) -> None:
         self._segments.clear()
+        if self._prefix is not None:
+            self._prefix.clear()
+
+    # ---------------------------------------------------------------------- prefix states
+    @property
+    def prefix_state(self) -> bool:
+        """True when chat prompts go through the prefix-state cache."""
+        return self._prefix is not None
+
+    def prefix_info(self) -> dict[str, int]:
+        """Prefix-state counters (entries, tokens, hits, misses, rejected); {} when off."""
+        return self._prefix.info() if self._prefix is not None else {}

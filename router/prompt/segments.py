@@ -56,6 +56,11 @@ _CACHE_SCOPE: contextvars.ContextVar[int] = contextvars.ContextVar(
 )
 
 
+def current_scope() -> int:
+    """The segment-cache seed of the scope in force (``cache_scope``)."""
+    return _CACHE_SCOPE.get()
+
+
 def cache_scope_seed(cache_salt: str | None) -> int:
     """The segment-cache seed of requests sent with ``cache_salt`` (0 when unsalted)."""
     if not cache_salt:
@@ -357,7 +362,18 @@ class SegmentTokenizer:
         cut.extend(self._backend.encode(sample[pos:], add_special_tokens=False).ids)
         return bool(cut == whole)
 
-    def _encode_split(self, text: str, *, use_cache: bool) -> array[int]:
+    def _encode_split(
+        self,
+        text: str,
+        *,
+        use_cache: bool,
+        base_tokens: int = 0,
+        cuts: list[tuple[int, int]] | None = None,
+    ) -> array[int]:
+        """``text``'s ids, segment by segment. ``base_tokens``: tokens before ``text`` in the
+        prompt (a cached prefix), counted against the token bound. ``cuts``: if given, gets
+        (characters, tokens) of ``text`` after each added token: where the prompt can be cut
+        with its ids cut alike."""
         assert self._split_re is not None and self._backend is not None
         pieces = self.pieces(text)
         keys: list[int] = []
@@ -390,7 +406,7 @@ class SegmentTokenizer:
         if missing:
             state = _BUDGET.get()
             if state is not None:  # this prompt's tokens so far: its cached segments
-                state.tokens = sum(len(found[k]) for k in keys if k in found)
+                state.tokens = base_tokens + sum(len(found[k]) for k in keys if k in found)
             if budget is not None and sum(map(len, missing.values())) > budget:
                 raise NeedsThread
             assert self._encode_plain is not None
@@ -399,7 +415,8 @@ class SegmentTokenizer:
                 all_ids: list[Sequence[int]] = [self._encode_budgeted(seg, state) for seg in segs]
             else:
                 all_ids = self._encode_plain(segs)
-            for key, ids in zip(missing, all_ids, strict=True):
+            for key, got in zip(missing, all_ids, strict=True):
+                ids = got if isinstance(got, array) else array("I", got)  # ints packed once
                 found[key] = ids
                 if use_cache:
                     self._put(key, ids)
@@ -407,13 +424,26 @@ class SegmentTokenizer:
                 self.misses += len(missing)
         out = array("I")  # cached segments are arrays: extending copies memory, not ints
         k = 0
+        if cuts is None:
+            for p in pieces:
+                if isinstance(p, int):
+                    out.append(p)
+                else:
+                    out.extend(found[keys[k]])
+                    k += 1
+            return out  # an array all the way to block hashing: no Python int per token
+        pos = 0
+        added_text = self._added_text
         for p in pieces:
             if isinstance(p, int):
                 out.append(p)
+                pos += len(added_text[p])
+                cuts.append((pos, len(out)))
             else:
                 out.extend(found[keys[k]])
+                pos += len(p)
                 k += 1
-        return out  # an array all the way to block hashing: no Python int per token
+        return out
 
     def _encode_budgeted(self, text: str, state: _Budget) -> list[int]:
         """``text``'s ids, encoded piece by piece with ``state`` checked between pieces.
@@ -543,6 +573,17 @@ class SegmentTokenizer:
         self._put(self._key(piece), list(ids))
         self.misses += 1
 
+    def encode_cuts(self, text: str, base_tokens: int, cuts: list[tuple[int, int]]) -> array[int]:
+        """``encode(text, False)`` on the segment path, noting in ``cuts`` where an added
+        token ends (see ``_encode_split``); ``text`` follows ``base_tokens`` cached ones."""
+        return self._encode_split(text, use_cache=True, base_tokens=base_tokens, cuts=cuts)
+
+    def contained_added(self) -> bool:
+        """Whether an added token holds another one inside it (then a cut after an added
+        token in a prompt's first part need not be one in the whole prompt)."""
+        added = list(self._added)
+        return any(a != b and a in b for a in added for b in added)
+
     def encode_cached(self, text: str) -> array[int]:
         """``encode(text, False)`` on the segment path (cached segments looked up)."""
         return self._encode_split(text, use_cache=True)
@@ -551,7 +592,8 @@ class SegmentTokenizer:
         n = len(ids)
         if n == 0 or n > self.max_tokens // 4:  # one segment may not flush the cache
             return
-        stored = array("I", ids)
+        # Kept as given when already an array: nothing changes one once it is encoded.
+        stored = ids if isinstance(ids, array) else array("I", ids)
         with self._cache_lock:
             old = self.cache.pop(key, None)
             if old is not None:

@@ -1,0 +1,167 @@
+"""The prefix-state cache: a request that extends a conversation already seen tokenizes (and
+the gateway hashes) only what follows it.
+
+A chat request is found by its structure, not its text: the key of its first ``k`` messages
+chains the hash of each normalised message onto a context key (the cache-salt scope, the
+tools, the template kwargs and flags). Under a key the cache keeps a *prefix state*: the
+rendered prompt up to the end of an added token (``<|im_start|>``...), its token ids, and,
+filled in by the gateway, the chained hashes of its full blocks per (salt and adapter root,
+block size). A request whose key of some ``k`` leading messages is held uses the state only if
+its own rendered prompt starts with the state's text: then, because the segment tokenizer cuts
+at added tokens anyway (router/prompt/segments.py) and no added token holds another one, the
+ids of the prompt are the state's ids followed by those of the rest. A template that renders
+an earlier turn differently once a later one follows (Qwen3 drops the reasoning of turns
+before the last user query) fails that check and takes the full path: it is detected, not
+guessed (``rejected`` counts it).
+
+Each request stores, for the next ones, the state of its whole prompt up to its last added
+token (key: all its messages; the next turn of the conversation extends it) and of its prompt
+up to the last message (key: all but the last; another question after the same system
+prompt and history extends it). Bounded by cached tokens, least recently used first.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+DEFAULT_PREFIX_STATE_TOKENS = 2_000_000
+_MAX_ROOTS = 8  # hash chains kept per state: one per (salt + adapter root, block size)
+
+
+class PrefixState:
+    """A rendered prompt prefix that ends with an added token, and its ids and hashes."""
+
+    __slots__ = ("hashes", "ids", "text")
+
+    def __init__(self, text: str, ids: array[int]) -> None:
+        self.text = text
+        self.ids = ids
+        # (root hash, block size) -> hashes of the full blocks of ``ids``
+        self.hashes: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def known_hashes(self, root: int, block_size: int) -> tuple[int, ...] | None:
+        return self.hashes.get((root, block_size))
+
+    def keep_hashes(self, root: int, block_size: int, hashes: Sequence[int]) -> None:
+        """Remember the first ``len(ids) // block_size`` of a prompt's block hashes (those
+        the prompt shares with this state), if ``hashes`` has them all."""
+        n = len(self.ids) // block_size
+        if n and len(hashes) >= n and len(self.hashes) < _MAX_ROOTS:
+            self.hashes.setdefault((root, block_size), tuple(hashes[:n]))
+
+
+class PromptIds(array):  # type: ignore[type-arg,unused-ignore]
+    """A prompt's token ids (``array('I')``) that know which prefix state they start with
+    (``prefix``: its hashes can be reused) and which states they created (``stored``: their
+    hashes are to be filled from this prompt's)."""
+
+    prefix: PrefixState | None
+    stored: tuple[PrefixState, ...]
+
+
+def _message_key(m: Mapping[str, Any], seed: int) -> int:
+    content = m.get("content")
+    if len(m) == 2 and isinstance(content, str):  # role + text: no serialising
+        data = f"{m.get('role')}\x00{content}"
+    else:
+        data = json.dumps(m, sort_keys=True, default=repr, ensure_ascii=False)
+    return xxhash.xxh3_64_intdigest(data.encode("utf-8", "surrogatepass"), seed)
+
+
+def context_key(norm: Mapping[str, Any], scope: int) -> int:
+    """What the rendered text depends on besides the messages, hashed with the cache-salt
+    scope: states are never shared across scopes (nor across renderers: one cache each)."""
+    ctx = [
+        norm["tools"],
+        norm["template_kwargs"],
+        norm["documents"],
+        norm["add_generation_prompt"],
+        norm["continue_final_message"],
+        norm["add_special_tokens"],
+    ]
+    data = json.dumps(ctx, sort_keys=True, default=repr, ensure_ascii=False)
+    return xxhash.xxh3_64_intdigest(data.encode("utf-8", "surrogatepass"), scope)
+
+
+def message_keys(norm: Mapping[str, Any], scope: int) -> list[int]:
+    """``keys[k]``: the key of the first ``k`` messages (``keys[0]``: the context alone)."""
+    key = context_key(norm, scope)
+    keys = [key]
+    for m in norm["conversation"]:
+        key = _message_key(m, key)
+        keys.append(key)
+    return keys
+
+
+class PrefixStates:
+    """The LRU of prefix states of one renderer (thread-safe), bounded by cached tokens."""
+
+    def __init__(self, max_tokens: int = DEFAULT_PREFIX_STATE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._states: OrderedDict[int, PrefixState] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.rejected = 0  # a state whose text the prompt does not start with (see module)
+
+    def find(self, keys: Sequence[int], text: str) -> PrefixState | None:
+        """The state of the most leading messages that ``text`` starts with."""
+        states = self._states
+        for k in range(len(keys) - 1, 0, -1):
+            state = states.get(keys[k])
+            if state is None:
+                continue
+            if text.startswith(state.text):
+                with self._lock:
+                    if keys[k] in states:
+                        states.move_to_end(keys[k])
+                self.hits += 1
+                return state
+            self.rejected += 1
+        self.misses += 1
+        return None
+
+    def store(self, key: int, text: str, ids: array[int]) -> PrefixState | None:
+        """Keep ``ids`` as the state of ``text`` under ``key`` (unless one with the same text
+        is there); returns the new state, or None."""
+        n = len(ids)
+        if n == 0 or n > self.max_tokens // 4:
+            return None
+        with self._lock:
+            old = self._states.get(key)
+            if old is not None and old.text == text:
+                self._states.move_to_end(key)
+                return None
+            state = PrefixState(text, ids)
+            if old is not None:
+                self.tokens -= len(old.ids)
+            self._states[key] = state
+            self._states.move_to_end(key)
+            self.tokens += n
+            while self.tokens > self.max_tokens and self._states:
+                _, evicted = self._states.popitem(last=False)
+                self.tokens -= len(evicted.ids)
+        return state
+
+    def info(self) -> dict[str, int]:
+        return {
+            "entries": len(self._states),
+            "tokens": self.tokens,
+            "max_tokens": self.max_tokens,
+            "hits": self.hits,
+            "misses": self.misses,
+            "rejected": self.rejected,
+        }
+
+    def clear(self) -> None:
+        with self._lock:
+            self._states.clear()
+            self.tokens = 0
