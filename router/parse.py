@@ -6,6 +6,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+try:  # an exact, faster parser for the bodies it accepts; the stdlib's for the rest
+    import orjson
+
+    _fast_loads: Any = orjson.loads
+    _FastError: Any = orjson.JSONDecodeError
+except ImportError:  # pragma: no cover - orjson is a dependency
+    _fast_loads, _FastError = None, ValueError
+
 from router.errors import bad_request
 from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
 from router.request import Endpoint
@@ -57,6 +65,24 @@ def skips_cache_read(body: dict[str, Any], endpoint: Endpoint) -> bool:
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, exactly as the stdlib's ``json.loads`` reads it.
+
+    orjson parses what it accepts to the same values (tests/test_parse_json.py) in a
+    fraction of the time; whatever it refuses -- integers beyond 64 bits, NaN and Infinity,
+    lone surrogates, UTF-16/32 or a byte-order mark, nesting past 1,024, invalid JSON -- is
+    handed to ``json.loads``, which accepts it as before or refuses it with today's message.
+    Duplicate keys: both keep the last value at the first key's place."""
+    if _fast_loads is not None:
+        try:
+            body = _fast_loads(raw)
+        except _FastError:
+            pass
+        else:
+            if not isinstance(body, dict):
+                raise bad_request("request body must be a JSON object")
+            if not _wide_float(body):
+                return body
+            # orjson reads an integer beyond 64 bits as a float: the stdlib keeps it exact.
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
@@ -70,6 +96,26 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body
+
+
+_WIDE = float(2**63)
+
+
+def _wide_float(body: dict[str, Any]) -> bool:
+    """Whether ``body`` holds a whole float of 2**63 or more in magnitude: all orjson makes
+    of an integer literal too wide for 64 bits (a float literal that large is rare, and the
+    stdlib reads it the same)."""
+    stack: list[Any] = [body]
+    while stack:
+        node = stack.pop()
+        for v in node.values() if type(node) is dict else node:
+            t = type(v)
+            if t is float:
+                if (v >= _WIDE or v <= -_WIDE) and v.is_integer():
+                    return True
+            elif (t is dict or t is list) and v:
+                stack.append(v)
+    return False
 
 
 def parse_body(

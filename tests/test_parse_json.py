@@ -1,0 +1,96 @@
+"""Request bodies are read exactly as the stdlib's ``json.loads`` reads them, though orjson
+parses most of them (router/parse.py): same values, same types, same key order, the same
+refusals."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.errors import APIError
+from router.parse import parse_json_object
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _same(raw: bytes) -> None:
+    try:
+        expected: Any = json.loads(raw)
+    except (ValueError, RecursionError):
+        with pytest.raises(APIError):
+            parse_json_object(raw)
+        return
+    if not isinstance(expected, dict):
+        with pytest.raises(APIError):
+            parse_json_object(raw)
+        return
+    got = parse_json_object(raw)
+    assert repr(got) == repr(expected)  # types, -0.0, key order included
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=8), _values, max_size=6),
+    st.booleans(),
+    st.sampled_from([None, 2]),
+)
+def test_bodies_read_as_the_stdlib_reads_them(
+    body: dict[str, Any], ascii_: bool, indent: Any
+) -> None:
+    _same(json.dumps(body, ensure_ascii=ascii_, indent=indent).encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": 1, "a": 2, "b": 3}',  # duplicate keys: the last value, at the first place
+        b'{"a": {"k": 1}, "b": 0, "a": [1]}',
+        b'{"max_tokens": 123456789012345678901234567890}',  # wider than 64 bits: exact
+        b'{"x": -9223372036854775809}',
+        b'{"x": 18446744073709551615}',
+        b'{"x": 18446744073709551616}',
+        b'{"x": [1, {"y": 1e19}]}',
+        b'{"x": 1e400}',
+        b'{"x": NaN, "y": -Infinity}',
+        b'{"s": "\\ud800"}',  # a lone surrogate
+        b'\xef\xbb\xbf{"bom": 1}',
+        '{"utf16": 1}'.encode("utf-16"),
+        b'{"s": "\xed\xa0\x80"}',  # a UTF-8-encoded surrogate
+        b'{"s": "\xff"}',
+        b'{"a": 1,}',
+        b'{"a": "\x01"}',
+        b"  \n ",
+        b"",
+        b"[1, 2]",
+        b'"text"',
+        b"[" * 3000 + b"]" * 3000,
+        b'{"a":' * 1100 + b"1" + b"}" * 1100,
+        b'{"x": -0, "y": -0.0, "z": 1.0, "w": 1E2}',
+    ],
+)
+def test_edge_cases_read_as_the_stdlib_reads_them(raw: bytes) -> None:
+    _same(raw)
+
+
+def test_a_wide_integer_stays_an_integer() -> None:
+    body = parse_json_object(b'{"max_tokens": 123456789012345678901234567890}')
+    assert body["max_tokens"] == 123456789012345678901234567890
+    assert type(body["max_tokens"]) is int
