@@ -22,7 +22,6 @@ prompt and history extends it). Bounded by cached tokens, least recently used fi
 
 from __future__ import annotations
 
-import json
 import threading
 from array import array
 from collections import OrderedDict
@@ -66,13 +65,10 @@ class PromptIds(array):  # type: ignore[type-arg,unused-ignore]
     stored: tuple[PrefixState, ...]
 
 
+# Keys only find candidates (the text check decides), so ``repr`` (C, insertion-ordered)
+# serves: two equal messages built alike give the same key in this process.
 def _message_key(m: Mapping[str, Any], seed: int) -> int:
-    content = m.get("content")
-    if len(m) == 2 and isinstance(content, str):  # role + text: no serialising
-        data = f"{m.get('role')}\x00{content}"
-    else:
-        data = json.dumps(m, sort_keys=True, default=repr, ensure_ascii=False)
-    return xxhash.xxh3_64_intdigest(data.encode("utf-8", "surrogatepass"), seed)
+    return xxhash.xxh3_64_intdigest(repr(m).encode("utf-8", "surrogatepass"), seed)
 
 
 def context_key(norm: Mapping[str, Any], scope: int) -> int:
@@ -86,8 +82,7 @@ def context_key(norm: Mapping[str, Any], scope: int) -> int:
         norm["continue_final_message"],
         norm["add_special_tokens"],
     ]
-    data = json.dumps(ctx, sort_keys=True, default=repr, ensure_ascii=False)
-    return xxhash.xxh3_64_intdigest(data.encode("utf-8", "surrogatepass"), scope)
+    return xxhash.xxh3_64_intdigest(repr(ctx).encode("utf-8", "surrogatepass"), scope)
 
 
 def message_keys(norm: Mapping[str, Any], scope: int) -> list[int]:

@@ -234,7 +234,11 @@ class Renderer:
         last = norm["conversation"][-1].get("content")
         if cuts and len(keys) > 2 and isinstance(last, str) and last:
             # Up to the last message: another last message after the same ones extends it.
-            at = text.rfind(last, base_chars) - base_chars
+            # Where its text first appears (at or before where it is rendered) is early
+            # enough: any cut after an added token is exact, this one only has to precede
+            # what depends on the last message. A short needle: rfind of the whole text
+            # cost ~100k instructions.
+            at = text.find(last[:64], base_chars) - base_chars
             before = [c for c in cuts if c[0] <= at]
             if at >= 0 and before:
                 chars, tokens = before[-1]
