@@ -7,7 +7,8 @@ cost shows. Chat requests carry ~``--prompt-tokens`` tokens of which ``--shared-
 system prompt common to all requests (``--cold``: nothing repeats; ``--fresh-user-turn``: the
 system prompt repeats and the user turn is new on every request, the common case; without
 either, 64 distinct bodies repeat). ``--lazy-ab`` also runs the gateway with
-``--no-lazy-tail`` in the same run. Prints, per target: latency
+``--no-lazy-tail`` in the same run; ``--workers N --redis`` runs the N workers (one port,
+SO_REUSEPORT) on a throwaway redis-server, sharing one index. Prints, per target: latency
 p50/p99 at concurrency 1 and the added latency over direct; throughput at ``--concurrency``
 and its ratio to direct; the gateway's CPU per request and resident memory. Every run also
 measures the Python floor (``loadtest.passthrough``: aiohttp in, the gateway's client out,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -29,6 +31,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from loadtest.bench_fleet import redis_server
 from loadtest.procs import Proc, free_port, running, start, start_gateway, wait_ready
 from router.schedule.registry import DEFAULT_POLICY
 
@@ -316,7 +319,7 @@ async def run(a: argparse.Namespace) -> int:
         )
     results: list[Result] = []
     memory: list[tuple[int, float, float]] = []
-    with running() as procs:
+    with running() as procs, contextlib.ExitStack() as stack:
         cmd = [sys.executable, "-m", "loadtest.fake_backend", "--ports", ",".join(map(str, ports))]
         procs.append(start("backends", cmd, backends))
         for b in backends:
@@ -344,12 +347,16 @@ async def run(a: argparse.Namespace) -> int:
             for gw in pair:
                 gw.stop()
         runs = [] if a.lazy_ab else [(w, True) for w in sorted({1, a.workers})]
+        redis = stack.enter_context(redis_server(None)) if a.redis and a.workers > 1 else None
         for workers, lazy in runs:
-            extra = () if lazy else ("--no-lazy-tail",)
+            extra: tuple[str, ...] = () if lazy else ("--no-lazy-tail",)
+            if redis is not None and workers > 1:  # the workers share one index and load view
+                extra += ("--redis-url", redis)
             gw = start_gateway(backends, "--policy", a.policy, "--workers", str(workers), *extra)
             procs.append(gw)
             await wait_ready(gw.url, "/ready")
             name = f"prefix-router {a.policy}" + (f" x{workers}" if workers > 1 else "")
+            name += " redis" if redis is not None and workers > 1 else ""
             name += "" if lazy else " no-lazy"
             # With workers, CPU and memory are the parent's only: see the note in the table.
             results.append(await measure(name, [gw.url], bodies, *n, gw if workers == 1 else None))
@@ -467,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="also run the gateway with this many worker processes (--workers)",
+    )
+    p.add_argument(
+        "--redis",
+        action="store_true",
+        help="the --workers run shares one throwaway redis-server (fleet mode), as workers "
+        "should be deployed: one prefix index and load view for all of them",
     )
     p.add_argument(
         "--peers",
