@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import repeat, starmap
 
 DEFAULT_CAPACITY_BLOCKS = 65_536
 
@@ -41,44 +40,30 @@ class _ReplicaCache:
         return lo
 
     def touch(self, block_hashes: Sequence[int]) -> None:
-        """Make the prompt's blocks the most recent, last block first, so block 0 ends up
-        most recent: trimming then drops a prompt's tail before its head, as vLLM's free
-        queue does (a freed request's blocks are appended tail-first), and the leading run
-        the index reports stays contiguous.
-
-        Done a run at a time: the run not held yet is appended in one ``update``, the held
-        run moved to the end by one C-level ``map``, and the excess evicted likewise; the
-        order is exactly that of moving or inserting the blocks one by one (the fallbacks
-        below do that where a run is not what it seems)."""
         blocks = self.blocks
+        # Last block first, so block 0 ends up most recent: trimming then drops a prompt's
+        # tail before its head, as vLLM's free queue does (a freed request's blocks are
+        # appended tail-first), and the leading run the index reports stays contiguous.
+        # The held run is found first: a KeyError per new block cost ~1.5 us, a third of
+        # a record's time on a prompt with a new turn.
         held = self.leading_match(block_hashes)
-        new = block_hashes[held:]
-        if new:
-            if blocks.keys().isdisjoint(new):
-                blocks.update(dict.fromkeys(reversed(new)))
-            else:  # some held after a gap: the held set is not prefix-closed
-                for h in reversed(new):
-                    if h in blocks:
-                        blocks.move_to_end(h)
-                    else:
-                        blocks[h] = None
-        if held:
-            run = block_hashes[held - 1 :: -1]
-            try:
-                deque(map(blocks.move_to_end, run), maxlen=0)
-            except KeyError:  # a gap hid from the binary search: redo the run one by one
-                for h in run:
-                    if h in blocks:
-                        blocks.move_to_end(h)
-                    else:
-                        blocks[h] = None
+        for h in reversed(block_hashes[held:]):
+            if h in blocks:  # only if the held set is not prefix-closed
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        move = blocks.move_to_end
+        for i in range(held - 1, -1, -1):
+            try:  # held, unless a gap hid from the binary search
+                move(block_hashes[i])
+            except KeyError:
+                blocks[block_hashes[i]] = None
         self.trim()
 
     def trim(self) -> None:
         blocks = self.blocks
-        excess = len(blocks) - self.capacity
-        if excess > 0:  # the least recent first, in one C-level loop
-            deque(starmap(blocks.popitem, repeat((False,), excess)), maxlen=0)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
 
 
 class MemoryIndex:
