@@ -125,7 +125,7 @@ def _bodies(n: int, seed: int) -> list[bytes]:
     return make_bodies(n, 4000, 3000, False, seed, False, fresh_user=True)
 
 
-def _gateway() -> Any:
+async def _gateway() -> Any:
     from router.config import Config
     from router.fleet import Fleet
     from router.gateway import Gateway
@@ -140,6 +140,8 @@ def _gateway() -> Any:
         r.cards = {MODEL: {"id": MODEL, "max_model_len": 40960}}
         r.models_known = True
     gw.fleet = fleet
+    if hasattr(gw, "_load_models"):  # the per-model registry: each model's renderer
+        await gw._load_models()
     gw.sync_ring()
     gw.renderer.max_chars_per_token()
     return gw
@@ -161,7 +163,7 @@ async def _drive(gw: Any, raw: bytes, i: int) -> None:
 async def _child(a: argparse.Namespace) -> dict[str, Any]:
     global _on
     found = _instrument()
-    gw = _gateway()
+    gw = await _gateway()
     bodies = _bodies(a.warmup + a.requests, a.seed)
     for i in range(a.warmup):
         await _drive(gw, bodies[i], i)
@@ -177,7 +179,7 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
     _stack.pop()
     _mark()
     _on = False
-    ids = gw.renderer.tokenize_chat(json.loads(bodies[-1]))
+    ids = Renderer_of(gw).tokenize_chat(json.loads(bodies[-1]))
     return {
         "labels": _labels,
         "found": found,
@@ -186,6 +188,12 @@ async def _child(a: argparse.Namespace) -> dict[str, Any]:
         "chars": len(bodies[-1]),
         "t_steps": {k: v for k, v in _ns.items() if k not in (OUTSIDE, MARKER)},
     }
+
+
+def Renderer_of(gw: Any) -> Any:  # noqa: N802 - the renderer that served the model
+    models = getattr(gw, "models", None)
+    entry = models.default() if models is not None and hasattr(models, "default") else None
+    return entry.renderer if entry is not None and entry.renderer is not None else gw.renderer
 
 
 def _dump_totals(directory: Path) -> list[int]:

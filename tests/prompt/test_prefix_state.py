@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from router import blocks
 from router.config import Config
 from router.gateway import Gateway
+from router.models.registry import ModelEntry
 from router.prompt import Renderer
 from router.prompt.prefix_state import PromptIds
 from tests.prompt.common import tokenizer
@@ -195,8 +196,9 @@ def test_prefix_state_ids_equal_the_full_path(
         if name == "qwen3":
             with live.cache_scope(salt):
                 ids = live.chat_ids(copy.deepcopy(body))
-            assert gateway()._hashes(ids, None, salt) == blocks.block_hashes(
-                expected, gateway().block_size, cache_salt=salt
+            entry = ModelEntry("qwen3", block_size=16)
+            assert gateway()._hashes(ids, None, salt, entry) == blocks.block_hashes(
+                expected, 16, cache_salt=salt, namespace=entry.namespace
             )
 
 
