@@ -39,19 +39,26 @@ MODEL = "Qwen/Qwen3-0.6B"
 REPLICAS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 # Steps, in the order printed. Each is (label, module, attribute path); an attribute a tree
 # does not have (an older or newer revision) is skipped, and its cost lands in the enclosing
-# step. Nested steps take their time out of the enclosing one.
+# step. Nested steps take their time out of the enclosing one. The request path moved from
+# router.gateway.Gateway to router.request_path.RequestPath: both are listed.
 STEPS: list[tuple[str, str, str]] = [
     ("prepare (rest)", "router.gateway", "Gateway.prepare"),
+    ("prepare (rest)", "router.request_path", "RequestPath.prepare"),
     ("parse + limits", "router.gateway", "parse_body"),
+    ("parse + limits", "router.request_path", "parse_body"),
     ("normalise", "router.prompt.renderer", "Renderer.normalize_chat"),
     ("render (jinja)", "router.prompt.renderer", "Renderer._render"),
     ("prefix state", "router.prompt.renderer", "Renderer._prefix_ids"),
     ("lazy.head", "router.prompt.lazy", "head"),
     ("segment tokenize", "router.prompt.limits", "PromptLimits.tokenize_text"),
     ("block hashes", "router.gateway", "Gateway._hashes"),
+    ("block hashes", "router.request_path", "RequestPath._hashes"),
     ("decide", "router.gateway", "Gateway.decide"),
+    ("decide", "router.request_path", "RequestPath.decide"),
     ("index record", "router.gateway", "Gateway.record_placement"),
+    ("index record", "router.request_path", "RequestPath.record_placement"),
     ("learn", "router.gateway", "Gateway._learn"),
+    ("learn", "router.request_path", "RequestPath._learn"),
 ]
 OUTSIDE = "driver (not counted)"
 MARKER = "marker"
@@ -106,13 +113,13 @@ def _instrument() -> list[str]:
 
     found = []
     for label, module, path in STEPS:
-        owner: Any = importlib.import_module(module)
         *parents, name = path.split(".")
         try:
+            owner: Any = importlib.import_module(module)
             for p in parents:
                 owner = getattr(owner, p)
             fn = getattr(owner, name)
-        except AttributeError:
+        except (AttributeError, ImportError):
             continue
         setattr(owner, name, _wrap(label, fn))
         found.append(label)
@@ -139,10 +146,13 @@ async def _gateway() -> Any:
         r.models = {MODEL: None}
         r.cards = {MODEL: {"id": MODEL, "max_model_len": 40960}}
         r.models_known = True
-    gw.fleet = fleet
+    if hasattr(gw, "wiring"):  # the gateway split: the wiring holds the fleet
+        gw.wiring._fleet = fleet
+    else:
+        gw.fleet = fleet
     if hasattr(gw, "_load_models"):  # the per-model registry: each model's renderer
         await gw._load_models()
-    gw.sync_ring()
+    (gw.wiring if hasattr(gw, "wiring") else gw).sync_ring()
     gw.renderer.max_chars_per_token()
     return gw
 
@@ -150,13 +160,14 @@ async def _gateway() -> Any:
 async def _drive(gw: Any, raw: bytes, i: int) -> None:
     from router.forward import Outcome
 
-    rr = await gw.prepare(raw, {}, "chat", f"req-{i}", None, lazy=True)
-    decision = await gw.decide(rr)
-    gw.policy.placed(decision)
-    await gw.record_placement(rr, decision)
-    gw.count_prompt(rr)
+    path = getattr(gw, "path", gw)  # the request path, split out of the gateway
+    rr = await path.prepare(raw, {}, "chat", f"req-{i}", None, lazy=True)
+    decision = await path.decide(rr)
+    path.policy.placed(decision)
+    await path.record_placement(rr, decision)
+    path.count_prompt(rr)
     cached = decision.matched_blocks * rr.block_size
-    gw.learn(rr, decision, Outcome(200, 0.001, cached, 1, True))
+    path.learn(rr, decision, Outcome(200, 0.001, cached, 1, True))
     await asyncio.sleep(0)  # anything the request left for the loop
 
 
@@ -273,7 +284,7 @@ def _export(ref: str) -> Path:
 
 
 def _print(results: list[tuple[str, dict[str, Any]]], unit: str) -> None:
-    labels = [s[0] for s in STEPS]
+    labels = list(dict.fromkeys(s[0] for s in STEPS))
     n_req = results[0][1]["requests"]
     first = results[0][1]
     print(
