@@ -20,6 +20,7 @@ from router.gateway import Gateway
 from router.models.registry import ModelEntry
 from router.prompt import Renderer
 from router.prompt.prefix_state import PromptIds
+from router.request_path import RequestPath
 from tests.prompt.common import tokenizer
 
 # A template that renders every turn the same whatever follows (keeps reasoning), in the
@@ -82,8 +83,8 @@ def family(name: str) -> tuple[Renderer, Renderer]:
 
 
 @lru_cache(maxsize=1)
-def gateway() -> Gateway:
-    return Gateway(Config(replicas=[]), family("qwen3")[0])
+def request_path() -> RequestPath:
+    return Gateway(Config(replicas=[]), family("qwen3")[0]).path
 
 
 _WORDS = st.sampled_from(
@@ -197,7 +198,7 @@ def test_prefix_state_ids_equal_the_full_path(
             with live.cache_scope(salt):
                 ids = live.chat_ids(copy.deepcopy(body))
             entry = ModelEntry("qwen3", block_size=16)
-            assert gateway()._hashes(ids, None, salt, entry) == blocks.block_hashes(
+            assert request_path()._hashes(ids, None, salt, entry) == blocks.block_hashes(
                 expected, 16, cache_salt=salt, namespace=entry.namespace
             )
 
