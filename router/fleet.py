@@ -167,6 +167,11 @@ class Replica:
         """Serves ``model`` (a base model or a loaded LoRA adapter), or has not said."""
         return not self.models_known or model in self.models or model in self.stats.lora_active
 
+    @property
+    def base_model(self) -> str | None:
+        """The base model it serves (the first name, when it serves one under several)."""
+        return min((m for m, parent in self.models.items() if parent is None), default=None)
+
     def candidate(self, matched_blocks: int) -> Candidate:
         return Candidate(
             url=self.url,
@@ -277,13 +282,19 @@ class Fleet:
                     return model
         return None
 
-    def block_size(self) -> int | None:
-        sizes = [r.stats.block_size for r in self.replicas.values() if r.stats.block_size]
-        if sizes and len(set(sizes)) > 1:
-            log.warning(
-                "replicas report different block sizes %s; using %d", sorted(set(sizes)), sizes[0]
-            )
-        return sizes[0] if sizes else None
+    def model_groups(self) -> dict[str, set[str]]:
+        """Base model -> the replicas that report serving it (one ring each)."""
+        groups: dict[str, set[str]] = {}
+        for r in self.replicas.values():
+            for model, parent in r.models.items():
+                if parent is None:
+                    groups.setdefault(model, set()).add(r.url)
+        return groups
+
+    def model_of(self, url: str) -> str | None:
+        """The base model ``url`` serves, None when unknown (its fleet-mode index keys)."""
+        r = self.replicas.get(url)
+        return r.base_model if r is not None else None
 
     # -- passive health ---------------------------------------------------------------------
     async def record_failure(self, replica: Replica, why: str) -> None:

@@ -1,6 +1,11 @@
 """Fleet mode: several gateways share one prefix map, the ring's members and their load
 through Redis. Redis being down only degrades routing to this gateway's local view.
 
+Keys (router/index/redis.py, router/shared_state.py): each model's index under its own tag,
+``{ns}:{<model>}:blocks:<replica>`` for the model ``<replica>`` reports serving; what is shared
+about the fleet as a whole (load, ring members, stream leases) under ``{ns}:{fleet}:``. No key
+depends on which model a gateway saw first.
+
     FleetMode.start() -> the index to route with (Redis behind a local fallback)
     every sync tick   -> the other gateways' load on each replica, the shared ring members
 """
@@ -26,6 +31,11 @@ log = logging.getLogger("prefix_router")
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
+# The tag of what gateways share about the whole fleet, and of a replica's index keys while
+# its model is not known (it takes no request meanwhile).
+FLEET_SCOPE = "fleet"
+UNKNOWN_MODEL = "unknown-model"
+
 # A replaced connection pool is closed this long after: longer than any call's timeout.
 RETIRE_POOL_AFTER_S = 10.0
 
@@ -48,7 +58,6 @@ class FleetMode:
         self.metrics = metrics
         self._spawn = spawn
         self._on_change = on_change
-        self.model = fleet.base_model() or "default"
         self.redis = make_client(config.redis_url)
         self.index: ResilientIndex | None = None
         self.sync: FleetSync | None = None
@@ -60,7 +69,8 @@ class FleetMode:
         capacity = config.capacity_blocks or 65_536
         shared = RedisIndex(
             self.redis,
-            self.model,
+            UNKNOWN_MODEL,
+            model_of=self.fleet.model_of,  # each model's keys under its own tag
             namespace=config.redis_prefix,
             default_capacity=capacity,
             refresh_blocks=config.redis_refresh_blocks or None,  # router/index/redis.py
@@ -73,7 +83,7 @@ class FleetMode:
         fleet = self.fleet
         self.sync = FleetSync(
             self.redis,
-            self.model,
+            FLEET_SCOPE,
             new_gateway_id(),
             self._local_load,
             lambda: {r.url for r in fleet.healthy()},

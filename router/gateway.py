@@ -47,7 +47,7 @@ from router.request_path import (
     Observer,
     RequestPath,
 )
-from router.schedule import HashRing, Pipeline
+from router.schedule import Pipeline, Rings
 from router.shared_state import FleetSync
 from router.tasks import Background
 from router.tenancy import Tenancy
@@ -288,7 +288,7 @@ class Gateway:
         self.wiring.index = index
 
     @property
-    def ring(self) -> HashRing:
+    def ring(self) -> Rings:
         return self.wiring.ring
 
     @property

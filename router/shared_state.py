@@ -7,19 +7,21 @@ trip that
   answered) prefill tokens per replica, and the replicas it considers healthy -- as a string
   key with a TTL of ``ttl_s`` (3 x interval by default), so the entry of a gateway that
   crashes or hangs disappears by itself;
-* registers the gateway id in the model's gateway set, and reads the entries of every gateway
+* registers the gateway id in the fleet's gateway set, and reads the entries of every gateway
   in that set.
 
 From that it exposes ``remote_load`` (per replica, the sum over the *other* live gateways) and
 ``members`` (the replicas that at least one live gateway, this one included, reports healthy:
 every gateway builds its consistent-hash ring from the same set). Keys::
 
-    {ns}:{<model>}:gw:<gateway_id>   STRING JSON {"load": {replica: [inflight, queued]},
+    {ns}:{<scope>}:gw:<gateway_id>   STRING JSON {"load": {replica: [inflight, queued]},
                                                   "healthy": [replica, ...]}; PX ttl
-    {ns}:{<model>}:gateways          SET    gateway ids (discovery only; ids whose entry has
+    {ns}:{<scope>}:gateways          SET    gateway ids (discovery only; ids whose entry has
                                             expired are pruned by the next reader)
 
-All keys carry the ``{<model>}`` hash tag (one Redis Cluster slot), like the prefix index.
+All keys carry the ``{<scope>}`` hash tag (one Redis Cluster slot). A gateway's load and
+health cover every model's replicas, so fleet mode uses one scope for the whole fleet
+(``fleet``), not a model: gateways that saw different models first still share it.
 Entries are read with ``MGET`` of the ids found in the set on the *previous* tick, so a new
 gateway is seen within two ticks; load values themselves are always as of this tick.
 

@@ -21,7 +21,7 @@ from router.index import MemoryIndex, PrefixIndex
 from router.kv_events import KVEventSubscriber
 from router.metrics import Metrics
 from router.outlier import OutlierPolicy
-from router.schedule import HashRing
+from router.schedule import Rings
 from router.shared_state import FleetSync
 
 log = logging.getLogger("prefix_router")
@@ -36,7 +36,7 @@ class FleetWiring:
         self.config = config
         self.metrics = metrics
         self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
-        self.ring = HashRing(virtual_nodes=config.virtual_nodes)
+        self.ring = Rings(virtual_nodes=config.virtual_nodes)  # one ring per model
         self.session: aiohttp.ClientSession | None = None  # health checks and scrapes
         self._fleet: Fleet | None = None
         self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
@@ -137,14 +137,14 @@ class FleetWiring:
             await self.session.close()
 
     def sync_ring(self) -> None:
-        """The ring holds the replicas some gateway sees healthy (fleet mode: the same set on
-        every gateway, so cold prefixes land alike); routing still skips what this gateway
-        sees down."""
+        """The rings hold the replicas some gateway sees healthy (fleet mode: the same set on
+        every gateway, so cold prefixes land alike), one ring per model over the replicas that
+        report serving it; routing still skips what this gateway sees down."""
         fleet = self.fleet
         members = self.fleet_mode.members if self.fleet_mode is not None else None
         if members is None:
             members = {r.url for r in fleet.healthy()}
-        self.ring.set_members(members)
+        self.ring.set_members(members, fleet.model_groups())
         for url, r in fleet.replicas.items():
             self.metrics.replica_healthy.labels(url).set(1 if r.healthy else 0)
 

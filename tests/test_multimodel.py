@@ -25,6 +25,7 @@ from router.admin import SERVED_EXTENSIONS
 from router.app import RunningGateway, start_gateway
 from router.bundled import tokenizer_dir
 from router.config import load_config
+from router.index.redis import key_prefix, make_client
 from tests.families import MODELS, family_dir
 from tests.helpers import LONG_SYSTEM, cached_tokens, post, wait_for
 from tests.redis_server import RedisServer
@@ -88,7 +89,8 @@ async def fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
 async def gateway(urls: set[str], **overrides: Any) -> RunningGateway:
     overrides.setdefault("health_interval_s", 0.2)
     overrides.setdefault("metrics_interval_s", 0.2)
-    config = load_config(None, env={}, replicas=sorted(urls), **overrides)
+    overrides.setdefault("replicas", sorted(urls))
+    config = load_config(None, env={}, **overrides)
     # No tokenizer, no renderer handed in: the registry finds each model's.
     return await start_gateway(config, port=0, extensions=SERVED_EXTENSIONS)
 
@@ -193,35 +195,66 @@ async def test_two_families_one_gateway(fleet: Fleet, caplog: pytest.LogCaptureF
         await gw.stop()
 
 
-async def test_fleet_mode_two_gateways_per_model(fleet: Fleet, redis_server: RedisServer) -> None:
+async def test_fleet_mode_two_gateways_that_saw_the_models_in_other_orders(
+    fleet: Fleet, redis_server: RedisServer
+) -> None:
+    """Each model's index is its own in Redis (keys under the model's tag) and each model has
+    its own ring, the same on every gateway whichever model it saw first: a gateway listing
+    the Qwen replicas first and one listing the Llama replicas first share both models'
+    indexes, and every request through either is predicted exactly."""
+    qwen_first = sorted(fleet.urls(QWEN)) + sorted(fleet.urls(LLAMA)) + sorted(fleet.urls(MYSTERY))
     gws = [
         # A generous Redis timeout: a lookup that times out on a busy machine is answered
         # from the gateway's local view (by design), which has not seen the other's placement.
         await gateway(
-            fleet.urls(), redis_url=redis_server.url, sync_interval_s=0.1, redis_timeout_ms=5000.0
+            set(),
+            replicas=urls,
+            redis_url=redis_server.url,
+            sync_interval_s=0.1,
+            redis_timeout_ms=5000.0,
         )
-        for _ in range(2)
+        for urls in (qwen_first, qwen_first[::-1])
     ]
     try:
+        rings = [gw.gateway.ring.models() for gw in gws]
+        assert rings[0] == rings[1]
+        for model in (QWEN, LLAMA):
+            assert set(rings[0][model]) == fleet.urls(model)
+
+        async def settled(b: dict[str, Any], replica: str) -> None:
+            """Both gateways see the request's blocks on ``replica`` (its record is written
+            to Redis off the request's path)."""
+            for gw in gws:
+                rr = await gw.gateway.path.prepare(json.dumps(b).encode(), {}, "chat", "t")
+
+                async def held(gw: RunningGateway = gw, rr: Any = rr) -> bool:
+                    got = await gw.gateway.index.match(rr.block_hashes, [replica])
+                    return got.get(replica, 0) == len(rr.block_hashes)
+
+                await wait_for(held, what=f"{b['model']}'s blocks in the shared index")
+
         async with aiohttp.ClientSession() as s:
             for model in (QWEN, LLAMA):
-                # A prefix placed through one gateway is predicted by the other, exactly.
-                b = body(model, "shared question", f"Fleet prompt of {model}. " + LONG_SYSTEM)
-                first, _, _ = await send(s, gws[0], b)
-                rr = await gws[1].gateway.path.prepare(json.dumps(b).encode(), {}, "chat", "t")
-
-                async def shared(rr: Any = rr, first: str = first) -> bool:
-                    urls = [first]
-                    return (await gws[1].gateway.index.match(rr.block_hashes, urls)).get(
-                        first, 0
-                    ) > 0
-
-                await wait_for(shared, what=f"{model}'s blocks in the shared index")
-                replica, predicted, reported = await send(s, gws[1], b)
-                assert replica == first and predicted == reported > 0
-                pairs = await conversation_rounds(s, gws, model, fleet)
-                assert sum(1 for p, _ in pairs if p > 0) >= 12
-                assert all(p <= r for p, r in pairs), (model, pairs)
+                pairs = []
+                for i in range(12):
+                    system = f"Team {i % 3} of {model}. " + LONG_SYSTEM
+                    b = body(model, f"question {i // 2}", system)
+                    replica, predicted, reported = await send(s, gws[i % 2], b)
+                    assert replica in fleet.urls(model), (model, replica)
+                    pairs.append((predicted, reported))
+                    await settled(b, replica)
+                assert all(p == r for p, r in pairs), (model, pairs)
+                assert sum(1 for p, _ in pairs if p > 0) >= 6, (model, pairs)
+        # Each model's blocks live under its own tag, for the replicas serving it.
+        client = make_client(redis_server.url)
+        try:
+            keys = {k.decode() async for k in client.scan_iter("prefix-router:*:blocks:*")}
+        finally:
+            await client.aclose()
+        for model in (QWEN, LLAMA):
+            mine = {k for k in keys if k.startswith(key_prefix("prefix-router", model))}
+            assert mine and {k.rsplit(":blocks:", 1)[1] for k in mine} <= fleet.urls(model)
+        assert not [k for k in keys if "unknown-model" in k], keys
     finally:
         for gw in gws:
             await gw.stop()

@@ -636,3 +636,25 @@ async def test_the_bounded_record_budget_is_a_config_key(fleet, gateway, redis_s
     for budget, expected in ((8, 8), (0, None)):  # 0: every block rewritten, as before
         gw = await gateway([replica.url], redis_url=redis_server.url, redis_refresh_blocks=budget)
         assert gw.gateway.index.primary.refresh_blocks == expected
+
+
+async def test_each_model_has_its_own_keys_and_a_mixed_match_asks_each(client: Redis) -> None:
+    """A replica's keys carry the model it serves (``model_of``), whichever gateway writes
+    them; a replica whose model is unknown uses the default tag, and one that left the fleet
+    is still dropped under its model's keys."""
+    serving = {REPLICAS[0]: "org/a", REPLICAS[1]: "org/b"}
+    idx = RedisIndex(client, "unknown", model_of=serving.get)
+    other = RedisIndex(client, "something-else", model_of=serving.get)  # another gateway
+    await idx.record(REPLICAS[0], [1, 2, 3])
+    await idx.record(REPLICAS[1], [1, 2])
+    await idx.record(REPLICAS[2], [1])
+    assert (
+        idx.blocks_key(REPLICAS[0])
+        == key_prefix("prefix-router", "org/a") + "blocks:" + (REPLICAS[0])
+    )
+    assert await client.zcard(key_prefix("prefix-router", "org/b") + "blocks:" + REPLICAS[1]) == 2
+    assert await client.zcard(key_prefix("prefix-router", "unknown") + "blocks:" + REPLICAS[2]) == 1
+    assert await other.match([1, 2, 3], REPLICAS[:2]) == {REPLICAS[0]: 3, REPLICAS[1]: 2}
+    del serving[REPLICAS[0]]  # removed from the fleet: its model is remembered
+    await idx.drop_replica(REPLICAS[0])
+    assert await client.exists(key_prefix("prefix-router", "org/a") + "blocks:" + REPLICAS[0]) == 0

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from router.blocks import ChainCache, block_hashes, cacheable_blocks
 from router.config import ConfigError, add_arguments, dump_yaml, load_config
 from router.index import MemoryIndex
-from router.schedule import Candidate, HashRing, build_named
+from router.schedule import Candidate, HashRing, Rings, build_named
 from tests.schedule.common import req as _req
 
 # -- blocks ---------------------------------------------------------------------------------
@@ -122,6 +122,24 @@ def test_ring_is_deterministic_and_moves_little_when_growing():
     assert moved < 2000 * 0.3  # about 1/5 should move; a modulo hash would move 4/5
     owners = collections.Counter(next(r1.walk(k)) for k in keys)
     assert min(owners.values()) > 2000 / 4 * 0.6
+
+
+def test_each_model_has_its_own_ring_over_its_members():
+    """Model A's ring holds A's replicas among the members, whatever else the fleet serves
+    or in which order the groups came; a model no replica reported gets the fleet's ring."""
+    a = [f"http://a{i}" for i in range(3)]
+    b = [f"http://b{i}" for i in range(2)]
+    rings, other = Rings(), Rings()
+    rings.set_members(a + b[:1], {"A": a, "B": b})  # b1 is not a member (down everywhere)
+    other.set_members(reversed(a + b[:1]), {"B": b, "A": a})
+    assert rings.of("A").members == tuple(a) and rings.of("B").members == (b[0],)
+    assert rings.models() == other.models()
+    keys = [random.Random(i).getrandbits(64) for i in range(200)]
+    alone = HashRing(a)
+    assert [list(rings.of("A").walk(k)) for k in keys] == [list(alone.walk(k)) for k in keys]
+    assert rings.of("C") is rings.of(None) and set(rings.of("C").members) == set(a + b[:1])
+    rings.set_members(a, {"A": a})  # B's replicas left: its ring is gone
+    assert "B" not in rings.models() and rings.members == tuple(a)
 
 
 def test_ring_bounded_load_walks_past_a_full_member():

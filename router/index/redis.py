@@ -1,13 +1,19 @@
 """``PrefixIndex`` in Redis, shared by every gateway in front of the same fleet.
 
-Key layout (``ns`` is the namespace, default ``prefix-router``; ``model`` is hash-tagged so that
-every key of one model, and so every key a script touches, lives in one Redis Cluster slot)::
+Key layout (``ns`` is the namespace, default ``prefix-router``; ``model`` is the base model the
+replica serves, hash-tagged so that every key of one model, and so every key a script touches,
+lives in one Redis Cluster slot)::
 
     {ns}:{<model>}:blocks:<replica>   ZSET   member = block hash, score = recency (higher =
                                              more recent); at most the replica's capacity
                                              members; PEXPIRE ttl, refreshed on every record
     {ns}:{<model>}:cap:<replica>      STRING the replica's capacity in blocks (set_capacity);
                                              PEXPIRE ttl, refreshed on every record
+
+Each model's index has its own keys: a replica's keys carry the model it reports serving
+(``model_of``), so every gateway keys model M's blocks alike whichever model it saw first; a
+replica whose model is not known yet uses the index's default ``model``. A match over replicas
+of several models is one script call per model.
 
 Members are the 64-bit hash as 8 little-endian bytes (``encoding="binary"``, the default) or
 as its decimal string (``encoding="decimal"``); binary is ~2.5x smaller on the wire and in
@@ -50,8 +56,9 @@ index converges.
 
 from __future__ import annotations
 
+import asyncio
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -314,6 +321,7 @@ class RedisIndex:
         owns_client: bool = False,
         refresh_blocks: int | None = None,
         fresh_fraction: float = DEFAULT_FRESH_FRACTION,
+        model_of: Callable[[str], str | None] | None = None,
     ) -> None:
         if encoding not in _MEMBERS:
             raise ValueError(f"encoding must be 'binary' or 'decimal', not {encoding!r}")
@@ -322,7 +330,10 @@ class RedisIndex:
         self.client = client
         self.model = model
         self.namespace = namespace
-        self.prefix = key_prefix(namespace, model)
+        self.prefix = key_prefix(namespace, model)  # a replica whose model is unknown
+        self.model_of = model_of
+        self._models: dict[str, str] = {}  # replica -> the model it last reported
+        self._prefixes: dict[str, str] = {}  # model -> its key prefix
         self.default_capacity = max(1, default_capacity)
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.encoding: Encoding = encoding
@@ -356,11 +367,26 @@ class RedisIndex:
 
     # keys -------------------------------------------------------------------------------
 
+    def prefix_of(self, replica: str) -> str:
+        """The key prefix of ``replica``'s model (the last one it reported: a replica removed
+        from the fleet is still dropped under its model's keys)."""
+        model = self.model_of(replica) if self.model_of is not None else None
+        if model is None:
+            model = self._models.get(replica)
+            if model is None:
+                return self.prefix
+        else:
+            self._models[replica] = model
+        prefix = self._prefixes.get(model)
+        if prefix is None:
+            prefix = self._prefixes[model] = key_prefix(self.namespace, model)
+        return prefix
+
     def blocks_key(self, replica: str) -> str:
-        return f"{self.prefix}blocks:{replica}"
+        return f"{self.prefix_of(replica)}blocks:{replica}"
 
     def capacity_key(self, replica: str) -> str:
-        return f"{self.prefix}cap:{replica}"
+        return f"{self.prefix_of(replica)}cap:{replica}"
 
     def _members(self, block_hashes: Sequence[int]) -> list[bytes | str]:
         if self.encoding == "binary":
@@ -374,9 +400,24 @@ class RedisIndex:
             return {}
         if not block_hashes:
             return dict.fromkeys(replicas, 0)
-        keys = [self.blocks_key(r) for r in replicas]
-        counts = await self._match(keys=keys, args=self._members(block_hashes))
-        return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
+        members = self._members(block_hashes)
+        by_model: dict[str, list[str]] = {}
+        for r in replicas:
+            by_model.setdefault(self.prefix_of(r), []).append(r)
+        if len(by_model) == 1:  # the rule: a request's candidates serve one model
+            keys = [self.blocks_key(r) for r in replicas]
+            counts = await self._match(keys=keys, args=members)
+            return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
+        groups = list(by_model.values())
+        answers = await asyncio.gather(
+            *(self._match(keys=[self.blocks_key(r) for r in g], args=members) for g in groups)
+        )
+        found = {
+            r: int(c)
+            for g, a in zip(groups, answers, strict=True)
+            for r, c in zip(g, a, strict=True)
+        }
+        return {r: found[r] for r in replicas}
 
     async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
         if not block_hashes:

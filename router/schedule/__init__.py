@@ -15,7 +15,7 @@ from router.schedule.registry import (
     build_named,
     policy_names,
 )
-from router.schedule.ring import HashRing
+from router.schedule.ring import HashRing, Rings
 from router.schedule.spec import check_config, from_config
 from router.schedule.types import (
     Branch,
@@ -37,6 +37,7 @@ __all__ = [
     "Pipeline",
     "PluginSpec",
     "ProfileSpec",
+    "Rings",
     "ScheduleError",
     "ScoredCandidate",
     "SpillCause",

@@ -8,7 +8,7 @@ from typing import Any
 from router.request import RoutedRequest
 from router.schedule.keys import routing_key
 from router.schedule.recent import RecentCounts
-from router.schedule.ring import HashRing
+from router.schedule.ring import RingSource
 from router.schedule.types import (
     Branch,
     Candidate,
@@ -34,7 +34,7 @@ class Pipeline:
     def __init__(
         self,
         name: str,
-        ring: HashRing,
+        ring: RingSource,
         filters: Sequence[Filter],
         scorers: Sequence[tuple[Scorer, float]],
         picker: Picker,
@@ -102,7 +102,10 @@ class Pipeline:
         return {}
 
     def choose(self, req: RoutedRequest, candidates: Sequence[Candidate]) -> Decision:
-        cycle = Cycle(req, candidates, self.ring, self.recent)
+        # The request's model's own ring (a base model's, for its adapters too).
+        entry = req.model_entry
+        ring = self.ring.of(entry.name if entry is not None else req.model)
+        cycle = Cycle(req, candidates, ring, self.recent)
         removed = self._removed(cycle)
         scored = []
         for c in candidates:

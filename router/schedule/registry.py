@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 from router.schedule.pipeline import Pipeline
-from router.schedule.ring import HashRing
+from router.schedule.ring import RingSource
 from router.schedule.types import ScheduleError, check_plugin, parse_params
 
 Kind = Literal["filter", "scorer", "picker"]
@@ -98,7 +98,7 @@ def plugin(kind: Kind, spec: PluginSpec, where: str = "schedule") -> Any:
 
 
 def build(
-    spec: ProfileSpec, ring: HashRing, name: str = "custom", where: str = "schedule"
+    spec: ProfileSpec, ring: RingSource, name: str = "custom", where: str = "schedule"
 ) -> Pipeline:
     """A pipeline from a profile. Scorers of weight 0 are left out: they cannot change a
     cost, and their terms would only be noise in explain."""
@@ -135,7 +135,7 @@ def policy_params(
 
 def build_named(
     name: str,
-    ring: HashRing,
+    ring: RingSource,
     params: Mapping[str, Any] | None = None,
     knobs: Mapping[str, Any] | None = None,
     where: str = "schedule",

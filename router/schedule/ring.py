@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -47,6 +48,10 @@ class HashRing:
         self._owners = [m for _, m in points]
         self.members = members
 
+    def of(self, model: str | None) -> HashRing:
+        """One ring for every model (``Rings`` keeps one per model)."""
+        return self
+
     def walk(self, key: int) -> Iterator[str]:
         """Distinct members in ring order starting at ``key``'s position."""
         n = len(self._points)
@@ -81,3 +86,51 @@ class HashRing:
             if load(m) + 1 <= bound:
                 return m
         return min(order, key=load)
+
+
+class RingSource(Protocol):
+    """What the scheduler asks for a request's ring: ``HashRing`` (one for all) or ``Rings``."""
+
+    @property
+    def members(self) -> tuple[str, ...]: ...
+
+    def of(self, model: str | None) -> HashRing: ...
+
+
+class Rings:
+    """One ring per served model, over the members that serve it, plus the fleet's ring for a
+    model no replica has reported (yet). A replica's points depend on its URL alone, so model
+    M's ring is the same on every gateway that sees the same members serving M, whatever
+    other models it has seen, and a walk visits only M's replicas."""
+
+    def __init__(self, virtual_nodes: int = 160) -> None:
+        self.virtual_nodes = virtual_nodes
+        self._all = HashRing(virtual_nodes=virtual_nodes)
+        self._rings: dict[str, HashRing] = {}
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._all.members
+
+    def set_members(
+        self, members: Iterable[str], groups: Mapping[str, Iterable[str]] | None = None
+    ) -> None:
+        """``members``: the fleet's ring members; ``groups``: model -> the replicas that
+        report serving it (its ring holds those among ``members``)."""
+        self._all.set_members(members)
+        groups = groups or {}
+        for model in [m for m in self._rings if m not in groups]:
+            del self._rings[model]
+        held = set(self._all.members)
+        for model, urls in groups.items():
+            ring = self._rings.get(model)
+            if ring is None:
+                ring = self._rings[model] = HashRing(virtual_nodes=self.virtual_nodes)
+            ring.set_members(held.intersection(urls))
+
+    def of(self, model: str | None) -> HashRing:
+        return self._rings.get(model, self._all) if model else self._all
+
+    def models(self) -> dict[str, tuple[str, ...]]:
+        """model -> its ring's members (for /ready and the tests)."""
+        return {m: r.members for m, r in sorted(self._rings.items())}

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from router.schedule import registry
 from router.schedule.pipeline import Pipeline
 from router.schedule.registry import PluginSpec, ProfileSpec
-from router.schedule.ring import HashRing
+from router.schedule.ring import HashRing, RingSource
 from router.schedule.types import ScheduleError
 
 
@@ -108,7 +108,7 @@ def profile_of(schedule: Mapping[str, Any]) -> ProfileSpec:
     return ProfileSpec(lists["filters"], lists["scorers"], _entry(schedule["picker"], "picker"))
 
 
-def from_config(config: Settings, ring: HashRing) -> Pipeline:
+def from_config(config: Settings, ring: RingSource) -> Pipeline:
     """The pipeline the config puts in force."""
     schedule = config.schedule or {}
     if is_profile(schedule) and config.policy == schedule.get("name", "custom"):
