@@ -132,7 +132,7 @@ class Gateway:
         self.flow_share: UsageShare | None = None  # fleet mode: per-tenant usage in Redis
         # The registry follows the fleet: replicas come, go, report models and capacity.
         self.wiring.fleet_listeners.append(self._refresh_models_on)
-        self.wiring.on_discovered = self.path.refresh_models
+        self.wiring.on_discovered = self.path.upkeep.refresh
 
     def _json_checked(self, outcome: str) -> None:
         if outcome == "busy":
@@ -142,7 +142,7 @@ class Gateway:
 
     async def _refresh_models_on(self, replica: Replica, event: str) -> None:
         if event in ("models", "capacity", "removed", "healthy"):
-            self.path.refresh_models()
+            self.path.upkeep.refresh()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,10 +165,10 @@ class Gateway:
                 config,
                 wiring.fleet,
                 wiring.index,
-                path.block_size_of,
+                lambda url: path.upkeep.block_size_of(url, path.block_size),
                 self.metrics,
                 wiring.fleet_mode,
-                namespace=path.namespace_of,
+                namespace=path.upkeep.namespace_of,
             )
             wiring.kv_events = sub
             wiring.index = sub.index  # the events' index over the gateway's
@@ -197,8 +197,8 @@ class Gateway:
             raise SystemExit(f"prefix-router: {models.refused}")
         for name in models.unloaded():
             entry = await loop.run_in_executor(self.executor, models.load, name)
-            path.model_loaded(entry)
-        path.models_ready = models.started = True
+            path.upkeep.loaded(entry)
+        path.upkeep.ready = models.started = True
         if not models.entries and path.renderer is None:
             # No replica reported a model: --tokenizer, or the one clear line that says why not.
             path.renderer = await loop.run_in_executor(

@@ -21,19 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-
 from router import blocks, cache_loss, lazy_tail
 from router.cache_loss import LostCache
 from router.config import Config
-from router.errors import APIError, bad_request, clip
+from router.errors import bad_request
 from router.fleet import Replica
 from router.flow.controller import FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
-from router.forward import Outcome, UpstreamUnavailable
+from router.forward import Outcome
 from router.limits import BodyLimits, check_fits
 from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, Route, fallback
+from router.models.upkeep import ModelUpkeep
 from router.parse import parse_body, parse_json_object, skips_cache_read
 from router.prompt import NeedsThread, Renderer, segments
 from router.prompt.lazy import Head
@@ -120,7 +119,16 @@ class RequestPath:
             injected=renderer,
             max_prompt_chars=config.max_prompt_chars,
         )
-        self.models_ready = False  # start-up loaded the registry's tokenizers
+        # Its owner at run time: refresh, routes, adapters, per-model learning and drift.
+        self.upkeep = ModelUpkeep(
+            self.models,
+            config,
+            metrics,
+            executor,
+            spawn,
+            lambda: wiring.opened,
+            lambda: wiring.session,
+        )
         self.converters = dict(converters or {})
         self.chain_cache = blocks.ChainCache()
         self.policy: Pipeline = from_config(config, wiring.ring)  # schedule + policy flags
@@ -139,60 +147,8 @@ class RequestPath:
         self.response_chains = ResponseChains()  # Responses chains as one session each
 
     def served(self, name: Any) -> Route:
-        """The registry entry a body's ``model`` names (aliases applied), or the error that
-        says why none serves it. Offline (no fleet): the renderer handed in, for any name."""
-        name = name if isinstance(name, str) else None
-        fleet = self.wiring.opened
-        if fleet is None:
-            name = name or self.models.offline_default()
-            return self.models.offline(name, self.renderer, self.block_size)
-        route = self.models.resolve(name)
-        if route is None:
-            self.serving(self.models.alias(name) if name else (fleet.base_model() or ""))
-            self.refresh_models()  # served, but the registry has not seen it yet
-            route = self.models.resolve(name)
-        if route is None:  # not in the registry yet: by load and the text prefix meanwhile
-            return self.models.offline(name or "", None, self.block_size)
-        return route
-
-    # -- the model registry's upkeep (start-up loads it: Gateway._start) --------------------
-    def model_loaded(self, entry: ModelEntry) -> None:
-        if entry.renderer is not None:
-            # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
-            entry.renderer.max_chars_per_token()
-        self.metrics.model_info.labels(
-            entry.name, entry.basis, entry.tokenizer_origin, str(entry.block_size)
-        ).set(1)
-
-    def block_size_of(self, replica: str) -> int:
-        """The block size of the model ``replica`` serves (KV events are checked against it)."""
-        entry = self.models.entry_of_replica(replica)
-        return entry.block_size if entry is not None else self.block_size
-
-    def namespace_of(self, replica: str) -> str | None:
-        """The index namespace of the model ``replica`` serves (router/models/)."""
-        entry = self.models.entry_of_replica(replica)
-        if entry is not None:
-            return entry.namespace
-        default = self.models.default()
-        return default.namespace if default is not None else None
-
-    def refresh_models(self) -> None:
-        """Replicas came, went or reported: rebuild the registry, and load a new model's
-        tokenizer off the event loop (its requests use the text prefix until it is in)."""
-        fleet = self.wiring.opened
-        if fleet is None:
-            return
-        new = self.models.refresh(fleet.replicas.values())
-        if self.models_ready:  # during start-up, Gateway._start loads them
-            for name in new:
-                self.spawn(self._load_later(name))
-
-    async def _load_later(self, name: str) -> None:
-        entry = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.models.load, name
-        )
-        self.model_loaded(entry)
+        """The route a body's ``model`` names (router/models/upkeep.py)."""
+        return self.upkeep.route(name, self.renderer, self.block_size)
 
     def _chat_body(self, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any] | None:
         """The chat body rendered for ``body``; None for completions (a prompt)."""
@@ -344,7 +300,7 @@ class RequestPath:
         model, lora, entry = route.model, route.lora, route.entry
         fleet = self.wiring.opened
         if fleet is not None:
-            self.serving(model, entry=entry, lora=lora)
+            self.upkeep.serving(model, entry=entry, lora=lora)
         if route.alias_of is not None:  # the replicas know the served name only
             body = dict(body)
             body["model"] = model
@@ -400,16 +356,11 @@ class RequestPath:
             return renderer.completion_request_ids(admitted.body)[0]
 
     def _max_prompt_tokens(self, admitted: _Admitted) -> int | None:
-        """The model's context (from the replicas' model cards): a longer prompt is refused
-        anyway. None when unknown, or when the request asks vLLM to truncate it."""
-        chat = admitted.chat or {}
-        fleet = self.wiring.opened
-        if fleet is None or "truncate_prompt_tokens" in {**admitted.body, **chat}:
+        """The model's context: a longer prompt is refused anyway. None when unknown, or
+        when the request asks vLLM to truncate it."""
+        if "truncate_prompt_tokens" in {**admitted.body, **(admitted.chat or {})}:
             return None
-        n = (fleet.card(admitted.model) or {}).get("max_model_len")
-        if n is None:
-            n = admitted.entry.max_model_len  # an adapter's card has none: its base's
-        return n if type(n) is int and n > 0 else None
+        return self.upkeep.context_of(admitted.model, admitted.entry)
 
     def _admit_and_tokenize(
         self, raw: bytes, endpoint: Endpoint, tenant: str
@@ -417,39 +368,9 @@ class RequestPath:
         admitted = self._admit(raw, endpoint, tenant)
         return admitted, self._tokenize(admitted)
 
-    def serving(
-        self,
-        model: str,
-        exclude: frozenset[str] = frozenset(),
-        entry: ModelEntry | None = None,
-        lora: str | None = None,
-    ) -> list[Replica]:
-        """The replicas that can take a request for ``model`` (those of its registry entry's
-        routed group: replicas kept apart only when none of those can), or the error that
-        says why none can. An adapter no replica has, where runtime loading is allowed: its
-        base model's replicas (the chosen one loads it, ``ensure_adapter``)."""
-        fleet = self.wiring.fleet
-        replicas = [r for r in fleet.serving(model) if r.url not in exclude]
-        if not replicas and lora is not None and self._may_load(lora):
-            base = entry.name if entry is not None else ""
-            replicas = [r for r in fleet.serving(base) if r.url not in exclude]
-        if entry is not None and entry.replicas:
-            routed = set(entry.replicas)
-            replicas = [r for r in replicas if r.url in routed] or replicas
-        if not replicas:
-            if not fleet.healthy():
-                raise APIError(503, "no healthy replica is available", code="no_replica")
-            if exclude:
-                raise APIError(
-                    502, "every replica that serves this model failed", code="upstream_failed"
-                )
-            raise APIError(
-                404,
-                f"The model `{clip(model)}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
-        return replicas
+    def serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+        """The replicas that can take a request for ``model`` (router/models/upkeep.py)."""
+        return self.upkeep.serving(model, exclude)
 
     # -- flow control (router/flow/): a ticket before forwarding ----------------------------
     def _flow_replicas(self, model: str) -> list[Replica]:
@@ -490,7 +411,7 @@ class RequestPath:
 
     async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         t0 = time.perf_counter()
-        replicas = self.serving(rr.model, exclude, rr.model_entry, rr.lora)
+        replicas = self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
         if rr.pinned_replica is not None:  # holds the state the request names
             replicas = [r for r in replicas if r.url == rr.pinned_replica] or replicas
         urls = [r.url for r in replicas]
@@ -507,55 +428,10 @@ class RequestPath:
                 if self.policy.uses_index:
                     matches = await self.wiring.index.match(rr.block_hashes, urls)
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
-        rr.adapter_load.clear()
         if rr.lora is not None:
-            fleet = self.wiring.opened
-            chosen = fleet.replicas.get(decision.replica) if fleet else None
-            if chosen is not None and not chosen.has_model(rr.lora):
-                rr.adapter_load.update(
-                    replica=decision.replica,
-                    adapter=rr.lora,
-                    path=self.models.loadable_adapters[rr.lora][1],
-                )
+            self.upkeep.plan_adapter(rr, decision.replica)  # loaded there first
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         return decision
-
-    def _may_load(self, adapter: str) -> bool:
-        return self.config.lora_runtime_loading and adapter in self.models.loadable_adapters
-
-    async def ensure_adapter(self, rr: RoutedRequest, replica: Replica) -> None:
-        """Load the request's LoRA adapter on ``replica`` first, when ``decide`` chose one
-        without it (vLLM's /v1/load_lora_adapter). A failure is the replica's: retried
-        elsewhere as any failure before the first byte."""
-        load = rr.adapter_load
-        if not load or load["replica"] != replica.url or replica.has_model(load["adapter"]):
-            return
-        session, fleet = self.wiring.session, self.wiring.fleet
-        assert session is not None
-        entry = rr.model_entry
-        model = entry.name if entry is not None else ""
-        headers = dict(fleet.headers)
-        payload = {"lora_name": load["adapter"], "lora_path": load["path"]}
-        try:
-            async with session.post(
-                replica.url + "/v1/load_lora_adapter",
-                json=payload,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_floor_s),
-            ) as resp:
-                text = await resp.text()
-                ok = resp.status == 200 or "already been loaded" in text
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            ok, text = False, f"{type(e).__name__}: {e}"
-        self.metrics.adapter_loads.labels(model, load["adapter"], "ok" if ok else "failed").inc()
-        if not ok:
-            log.warning(
-                "loading LoRA adapter %s on %s failed: %s", load["adapter"], replica.url, text[:200]
-            )
-            raise UpstreamUnavailable(f"load_lora_adapter: {text[:80]}")
-        log.info("loaded LoRA adapter %s on %s", load["adapter"], replica.url)
-        replica.models[load["adapter"]] = model
-        self.refresh_models()
 
     async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
         """The replica failed before computing the blocks recorded for it: take back what
@@ -632,7 +508,7 @@ class RequestPath:
         predicted = decision.matched_blocks * rr.block_size
         self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
         if rr.model_entry is not None:
-            self._learn_model(rr.model_entry, predicted, outcome.cached_tokens)
+            self.upkeep.learn(rr.model_entry, predicted, outcome.cached_tokens)
         for observer in self.observers:
             observer.observe(rr, decision, outcome)
         if outcome.cached_tokens is None:
@@ -658,32 +534,3 @@ class RequestPath:
                     cache_loss.REPORTS,
                 )
                 self.spawn(self.wiring.reset_replica(decision.replica, rr.block_hashes))
-
-    def _learn_model(self, entry: ModelEntry, predicted: int, reported: int | None) -> None:
-        """Per-model counters and the drift watch (router/models/drift.py)."""
-        m = self.metrics
-        m.child(m.model_requests, entry.name, entry.basis).inc()
-        m.child(m.model_predicted_cached_tokens, entry.name).inc(predicted)
-        if reported is None:
-            return
-        m.child(m.model_reported_cached_tokens, entry.name).inc(reported)
-        if entry.basis != "tokens":  # a text prefix approximates: no drift to speak of
-            return
-        change = entry.drift.observe(predicted, reported)
-        m.child(m.model_drift, entry.name).set(entry.drift.ratio())
-        if change is None:
-            return
-        m.child(m.model_drifting, entry.name).set(1 if change else 0)
-        if change:
-            log.warning(
-                "model %s: predictions run above what its replicas report (%.0f%% of the "
-                "predicted cached tokens of its last %d requests unconfirmed): do the replicas "
-                "use another chat template, tokenizer or block size? (tokenizer: %s %s)",
-                entry.name,
-                100 * entry.drift.ratio(),
-                len(entry.drift.samples),
-                entry.tokenizer_origin,
-                entry.tokenizer,
-            )
-        else:
-            log.info("model %s: predictions agree with its replicas again", entry.name)

@@ -118,7 +118,9 @@ class RoutedJob(Job):
         return lambda: self.request_path.record_placement(self.rr, decision)
 
     async def before_proxy(self, attempt: Attempt) -> None:
-        await self.request_path.ensure_adapter(self.rr, attempt.replica)  # a LoRA at run time
+        await self.request_path.upkeep.ensure_adapter(
+            self.rr, attempt.replica
+        )  # a LoRA at run time
 
     def before_send(self, attempt: Attempt) -> None:
         assert attempt.decision is not None

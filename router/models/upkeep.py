@@ -1,0 +1,238 @@
+"""The model registry at run time, as one owner: it follows the fleet (refresh on replica
+events, a new model's tokenizer loaded off the event loop), answers the request path's
+questions about a request's model (its route, the replicas that may take it, its context, a
+replica's block size and index namespace, the decoder diagnostics use), loads a LoRA adapter
+where the scheduler put a request without it, and keeps the per-model counters and the drift
+watch. The request path (router/request_path.py) asks; only this module changes the registry
+after start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+
+from router.config import Config
+from router.errors import APIError, clip
+from router.fleet import Fleet, Replica
+from router.forward import UpstreamUnavailable
+from router.metrics import Metrics
+from router.models.registry import ModelEntry, ModelRegistry, Route
+from router.prompt import Renderer
+from router.request import RoutedRequest
+
+log = logging.getLogger("prefix_router")
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+Decode = Callable[[Sequence[int]], str]
+
+
+class ModelUpkeep:
+    """Keeps ``registry`` in step with the fleet and answers for it on the request path."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        config: Config,
+        metrics: Metrics,
+        executor: ThreadPoolExecutor,
+        spawn: Spawn,
+        fleet: Callable[[], Fleet | None],
+        session: Callable[[], aiohttp.ClientSession | None],
+    ) -> None:
+        self.registry = registry
+        self.config = config
+        self.metrics = metrics
+        self.executor = executor
+        self.spawn = spawn
+        self._fleet = fleet
+        self._session = session
+        self.ready = False  # start-up loaded the registry's tokenizers (Gateway._start)
+
+    # -- following the fleet --------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Replicas came, went or reported: rebuild the registry, and load a new model's
+        tokenizer off the event loop (its requests use the text prefix until it is in)."""
+        fleet = self._fleet()
+        if fleet is None:
+            return
+        new = self.registry.refresh(fleet.replicas.values())
+        if self.ready:  # during start-up, Gateway._start loads them
+            for name in new:
+                self.spawn(self._load_later(name))
+
+    async def _load_later(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.loaded(await loop.run_in_executor(self.executor, self.registry.load, name))
+
+    def loaded(self, entry: ModelEntry) -> None:
+        if entry.renderer is not None:
+            # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
+            entry.renderer.max_chars_per_token()
+        self.metrics.model_info.labels(
+            entry.name, entry.basis, entry.tokenizer_origin, str(entry.block_size)
+        ).set(1)
+
+    # -- what the request path asks -----------------------------------------------------------
+    def route(self, name: Any, renderer: Renderer | None, block_size: int) -> Route:
+        """The registry entry a body's ``model`` names (aliases applied), or the error that
+        says why none serves it. Offline (no fleet): ``renderer``, for any name."""
+        name = name if isinstance(name, str) else None
+        models, fleet = self.registry, self._fleet()
+        if fleet is None:
+            return models.offline(name or models.offline_default(), renderer, block_size)
+        route = models.resolve(name)
+        if route is None:
+            self.serving(models.alias(name) if name else (fleet.base_model() or ""))
+            self.refresh()  # served, but the registry has not seen it yet
+            route = models.resolve(name)
+        if route is None:  # not in the registry yet: by load and the text prefix meanwhile
+            return models.offline(name or "", None, block_size)
+        return route
+
+    def serving(
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        entry: ModelEntry | None = None,
+        lora: str | None = None,
+    ) -> list[Replica]:
+        """The replicas that can take a request for ``model`` (those of its registry entry's
+        routed group: replicas kept apart only when none of those can), or the error that
+        says why none can. An adapter no replica has, where runtime loading is allowed: its
+        base model's replicas (the chosen one loads it, ``ensure_adapter``)."""
+        fleet = self._fleet()
+        assert fleet is not None
+        replicas = [r for r in fleet.serving(model) if r.url not in exclude]
+        if not replicas and lora is not None and self.may_load(lora):
+            base = entry.name if entry is not None else ""
+            replicas = [r for r in fleet.serving(base) if r.url not in exclude]
+        if entry is not None and entry.replicas:
+            routed = set(entry.replicas)
+            replicas = [r for r in replicas if r.url in routed] or replicas
+        if not replicas:
+            if not fleet.healthy():
+                raise APIError(503, "no healthy replica is available", code="no_replica")
+            if exclude:
+                raise APIError(
+                    502, "every replica that serves this model failed", code="upstream_failed"
+                )
+            raise APIError(
+                404,
+                f"The model `{clip(model)}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return replicas
+
+    def context_of(self, model: str, entry: ModelEntry) -> int | None:
+        """The model's context (``max_model_len`` from the replicas' cards; an adapter's card
+        has none: its base's), None when unknown or offline."""
+        fleet = self._fleet()
+        if fleet is None:
+            return None
+        n = (fleet.card(model) or {}).get("max_model_len")
+        if n is None:
+            n = entry.max_model_len
+        return n if type(n) is int and n > 0 else None
+
+    def block_size_of(self, replica: str, default: int) -> int:
+        """The block size of the model ``replica`` serves (KV events are checked against it)."""
+        entry = self.registry.entry_of_replica(replica)
+        return entry.block_size if entry is not None else default
+
+    def namespace_of(self, replica: str) -> str | None:
+        """The index namespace of the model ``replica`` serves."""
+        entry = self.registry.entry_of_replica(replica) or self.registry.default()
+        return entry.namespace if entry is not None else None
+
+    def decoder(self, model: str | None, offline: Renderer | None) -> Decode | None:
+        """How diagnostics turn ``model``'s token ids back into text: its own tokenizer's
+        decode; None for a model matched by its text prefix or not served (never another
+        model's tokenizer). Offline (no fleet): ``offline``'s, the tokenizer it was given."""
+        if self._fleet() is None:
+            return offline.decode if offline is not None else None
+        route = self.registry.resolve(model) if model else None
+        renderer = route.entry.renderer if route is not None else None
+        return renderer.decode if renderer is not None else None
+
+    # -- LoRA adapters at run time ------------------------------------------------------------
+    def may_load(self, adapter: str) -> bool:
+        return self.config.lora_runtime_loading and adapter in self.registry.loadable_adapters
+
+    def plan_adapter(self, rr: RoutedRequest, replica: str) -> None:
+        """Note in ``rr`` that ``replica``, chosen for it, must load its adapter first
+        (explain shows it; ``ensure_adapter`` does it)."""
+        rr.adapter_load.clear()
+        fleet = self._fleet()
+        chosen = fleet.replicas.get(replica) if fleet is not None else None
+        if rr.lora is not None and chosen is not None and not chosen.has_model(rr.lora):
+            path = self.registry.loadable_adapters[rr.lora][1]
+            rr.adapter_load.update(replica=replica, adapter=rr.lora, path=path)
+
+    async def ensure_adapter(self, rr: RoutedRequest, replica: Replica) -> None:
+        """Load the request's LoRA adapter on ``replica`` first, when the decision chose one
+        without it (vLLM's /v1/load_lora_adapter). A failure is the replica's: retried
+        elsewhere as any failure before the first byte."""
+        load = rr.adapter_load
+        if not load or load["replica"] != replica.url or replica.has_model(load["adapter"]):
+            return
+        session, fleet = self._session(), self._fleet()
+        assert session is not None and fleet is not None
+        model = rr.model_entry.name if rr.model_entry is not None else ""
+        payload = {"lora_name": load["adapter"], "lora_path": load["path"]}
+        try:
+            async with session.post(
+                replica.url + "/v1/load_lora_adapter",
+                json=payload,
+                headers=dict(fleet.headers),
+                timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_floor_s),
+            ) as resp:
+                text = await resp.text()
+                ok = resp.status == 200 or "already been loaded" in text
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ok, text = False, f"{type(e).__name__}: {e}"
+        self.metrics.adapter_loads.labels(model, load["adapter"], "ok" if ok else "failed").inc()
+        if not ok:
+            log.warning(
+                "loading LoRA adapter %s on %s failed: %s", load["adapter"], replica.url, text[:200]
+            )
+            raise UpstreamUnavailable(f"load_lora_adapter: {text[:80]}")
+        log.info("loaded LoRA adapter %s on %s", load["adapter"], replica.url)
+        replica.models[load["adapter"]] = model
+        self.refresh()
+
+    # -- learning -------------------------------------------------------------------------------
+    def learn(self, entry: ModelEntry, predicted: int, reported: int | None) -> None:
+        """Per-model counters and the drift watch (router/models/drift.py)."""
+        m = self.metrics
+        m.child(m.model_requests, entry.name, entry.basis).inc()
+        m.child(m.model_predicted_cached_tokens, entry.name).inc(predicted)
+        if reported is None:
+            return
+        m.child(m.model_reported_cached_tokens, entry.name).inc(reported)
+        if entry.basis != "tokens":  # a text prefix approximates: no drift to speak of
+            return
+        change = entry.drift.observe(predicted, reported)
+        m.child(m.model_drift, entry.name).set(entry.drift.ratio())
+        if change is None:
+            return
+        m.child(m.model_drifting, entry.name).set(1 if change else 0)
+        if change:
+            log.warning(
+                "model %s: predictions run above what its replicas report (%.0f%% of the "
+                "predicted cached tokens of its last %d requests unconfirmed): do the replicas "
+                "use another chat template, tokenizer or block size? (tokenizer: %s %s)",
+                entry.name,
+                100 * entry.drift.ratio(),
+                len(entry.drift.samples),
+                entry.tokenizer_origin,
+                entry.tokenizer,
+            )
+        else:
+            log.info("model %s: predictions agree with its replicas again", entry.name)
