@@ -59,6 +59,7 @@ STEPS: list[tuple[str, str, str]] = [
     ("index record", "router.request_path", "RequestPath.record_placement"),
     ("learn", "router.gateway", "Gateway._learn"),
     ("learn", "router.request_path", "RequestPath._learn"),
+    ("learn", "router.learning", "Learner.learn"),
 ]
 OUTSIDE = "driver (not counted)"
 MARKER = "marker"

@@ -19,26 +19,25 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from router import blocks, cache_loss, lazy_tail
-from router.cache_loss import LostCache
+from router import blocks, lazy_tail
 from router.config import Config
 from router.errors import bad_request
 from router.fleet import Replica
 from router.flow.controller import FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
 from router.forward import Outcome
+from router.learning import Learner, Observer
 from router.limits import BodyLimits, check_fits
 from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, Route, fallback
 from router.models.upkeep import ModelUpkeep
-from router.parse import parse_body, parse_json_object, skips_cache_read
+from router.parse import parse_body, parse_json_object
 from router.prompt import NeedsThread, Renderer, segments
 from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest, Tail
 from router.schedule import Decision, Pipeline, from_config
-from router.schedule.observed import is_wait_sample
 from router.tenancy import SaltDecision, Tenancy
 from router.wiring import FleetWiring
 
@@ -55,13 +54,6 @@ LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a
 # API layer hands them in, so this layer never imports it.
 ChatConverter = Callable[[dict[str, Any]], dict[str, Any]]
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
-
-
-class Observer(Protocol):
-    """Watches every finished request (live diagnostics, the Responses store, precise
-    mode's placements)."""
-
-    def observe(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +131,8 @@ class RequestPath:
         if config.lazy_tail and why_not is not None:
             log.info("lazy tail off: %s", why_not)
         self.observers: list[Observer] = []
-        self._lost: dict[str, LostCache] = {}  # replica -> evidence its cache was lost
+        # What each answered request teaches (router/learning.py).
+        self.learner = Learner(config, metrics, wiring, self.upkeep, self.observers, spawn)
         # Flow control (router/flow/): fair queuing per tenant while the replicas are full.
         self.flow = FlowController(
             FlowConfig.from_config(config), self._flow_replicas, metrics.registry
@@ -483,54 +476,7 @@ class RequestPath:
         if lazy_tail.pending(rr):
             self.spawn(self._learn_later(rr, decision, outcome))
         else:
-            self._learn(lazy_tail.latest(rr), decision, outcome)
+            self.learner.learn(lazy_tail.latest(rr), decision, outcome)
 
     async def _learn_later(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
-        self._learn(await self.complete(rr), decision, outcome)
-
-    def _learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
-        outcome_label = (
-            "ok"
-            if outcome.status < 400 and outcome.complete
-            else (f"http_{outcome.status}" if outcome.status >= 400 else "broken")
-        )
-        self.metrics.child(
-            self.metrics.requests, decision.replica, decision.policy, outcome_label
-        ).inc()
-        self.metrics.child(self.metrics.upstream_ttft, decision.replica).observe(
-            outcome.first_byte_s
-        )
-        uncached = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
-        fleet = self.wiring.opened
-        replica = fleet.replicas.get(decision.replica) if fleet else None
-        if replica is not None and is_wait_sample(rr.stream, outcome.status, uncached):
-            replica.ttft.observe(outcome.first_byte_s)
-        predicted = decision.matched_blocks * rr.block_size
-        self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
-        if rr.model_entry is not None:
-            self.upkeep.learn(rr.model_entry, predicted, outcome.cached_tokens)
-        for observer in self.observers:
-            observer.observe(rr, decision, outcome)
-        if outcome.cached_tokens is None:
-            return
-        reported = outcome.cached_tokens
-        self.metrics.child(self.metrics.reported_cached_tokens, rr.tenant).inc(reported)
-        if skips_cache_read(rr.body, rr.endpoint):
-            return  # served without reading the cache: its report says nothing about it
-        self.metrics.prediction_error.observe(predicted - reported)
-        kv_events = self.wiring.kv_events
-        if kv_events is not None and kv_events.is_up(decision.replica):
-            return  # the replica's events keep the index exact
-        if reported == 0 and decision.matched_blocks >= 2 and rr.block_hashes:
-            evidence = self._lost.setdefault(decision.replica, LostCache(self.config.auth))
-            if evidence.miss(time.monotonic(), rr.tenant, rr.block_hashes[-1]):
-                # Misses of different prompts, from different tenants or over time: the
-                # replica's cache was lost (restart, reset) behind our back. Forget what we
-                # believed about it but this request.
-                log.info(
-                    "replica %s reported no cached tokens on %d prompts where the index "
-                    "predicted hits; resetting its index",
-                    decision.replica,
-                    cache_loss.REPORTS,
-                )
-                self.spawn(self.wiring.reset_replica(decision.replica, rr.block_hashes))
+        self.learner.learn(await self.complete(rr), decision, outcome)
