@@ -18,7 +18,7 @@ from router.handlers import HANDLERS, REQUEST_ID
 
 
 def install_admin(app: web.Application, gateway: Gateway) -> None:
-    if gateway.config.admin_key:
+    if gateway.config.auth.admin_key:
         attach(gateway)  # from the first request on, not from the first report
 
     handlers = app[HANDLERS]

@@ -111,7 +111,7 @@ def build_app(
     routes = Handlers(gateway)
     app = web.Application(
         middlewares=[errors_middleware],
-        client_max_size=config.max_body_bytes,
+        client_max_size=config.limits.max_body_bytes,
         # A body refused unread (no key, too slow, over budget) is drained for at most this
         # long, so the client can read its answer, then the connection closes (aiohttp's 10 s
         # default let refused uploads hold connections).
@@ -135,7 +135,7 @@ def build_app(
 
     async def on_startup(app: web.Application) -> None:
         await gateway.start()
-        if config.metrics_port:
+        if config.server.metrics_port:
             metrics_runner.append(await _start_metrics_listener(routes, config))
 
     async def on_shutdown(app: web.Application) -> None:
@@ -158,7 +158,9 @@ async def _start_metrics_listener(routes: Handlers, config: Config) -> web.AppRu
     app.router.add_get("/metrics", routes.prometheus_unauthenticated)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.metrics_port, reuse_port=config.workers > 1)
+    site = web.TCPSite(
+        runner, config.server.host, config.server.metrics_port, reuse_port=config.server.workers > 1
+    )
     await site.start()
     return runner
 
@@ -176,11 +178,13 @@ class RunningGateway:
 def make_runner(app: web.Application, config: Config, **kwargs: Any) -> GatewayRunner:
     """The app's runner with the connection limits (router/server.py) of ``config``."""
     limits = ConnectionLimits(
-        max_connections=config.max_connections,
-        header_timeout_s=config.header_timeout_s,
-        keepalive_timeout_s=config.keepalive_timeout_s,
-        max_connections_per_peer=share_of(config.max_connections, config.client_share),
-        unauthenticated_keepalive_s=config.unauthenticated_keepalive_s,
+        max_connections=config.limits.max_connections,
+        header_timeout_s=config.limits.header_timeout_s,
+        keepalive_timeout_s=config.limits.keepalive_timeout_s,
+        max_connections_per_peer=share_of(
+            config.limits.max_connections, config.limits.client_share
+        ),
+        unauthenticated_keepalive_s=config.limits.unauthenticated_keepalive_s,
     )
     gateway = app.get(GATEWAY_KEY)
 
@@ -194,7 +198,7 @@ def make_runner(app: web.Application, config: Config, **kwargs: Any) -> GatewayR
         refused,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=config.shutdown_grace_s,
+        shutdown_timeout=config.server.shutdown_grace_s,
         auto_decompress=False,  # router/body.py decodes request bodies, bounded
         **kwargs,
     )
@@ -211,7 +215,7 @@ async def start_gateway(
     app = build_app(config, renderer, index, extensions)
     runner = make_runner(app, config)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port if port is None else port)
+    site = web.TCPSite(runner, config.server.host, config.server.port if port is None else port)
     await site.start()
     sock = site._server.sockets[0]  # type: ignore[union-attr]
     host, bound = sock.getsockname()[:2]
@@ -228,9 +232,11 @@ def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoo
         runner = make_runner(app, config, handle_signals=True)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, config.host, config.port, reuse_port=config.workers > 1)
+            site = web.TCPSite(
+                runner, config.server.host, config.server.port, reuse_port=config.server.workers > 1
+            )
             await site.start()
-            startup.announce(app[GATEWAY_KEY], f"http://{config.host}:{config.port}")
+            startup.announce(app[GATEWAY_KEY], f"http://{config.server.host}:{config.server.port}")
             await asyncio.Event().wait()  # until a signal raises GracefulExit
         finally:
             await runner.cleanup()

@@ -42,40 +42,41 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
-    if not config.replicas and not config.discovery_dns:
+    if not config.discovery.replicas and not config.discovery.discovery_dns:
         raise UsageError(
             "no replicas: pass --replica URL (repeatable), set replicas in --config, "
             "PREFIX_ROUTER_REPLICAS, or discovery_dns (to try it without vLLM: "
             "prefix-router demo)"
         )
     # Checked now, not after seconds of tokenizer loading and replica probing.
-    check_tokenizer("--tokenizer", config.tokenizer)
-    check_file("--api-keys-file", config.api_keys_file)
+    check_tokenizer("--tokenizer", config.routing.tokenizer)
+    check_file("--api-keys-file", config.auth.api_keys_file)
     try:
         from router.tenancy import load_table
 
         load_table(config)  # --auth's missing settings now, all at once, before starting
     except ConfigError as e:
         raise UsageError(e.problems) from None
-    check_can_listen(config.host, config.port, reuse_port=config.workers > 1)
-    if config.metrics_port:
-        check_can_listen(config.host, config.metrics_port, flag="--metrics-port")
+    check_can_listen(config.server.host, config.server.port, reuse_port=config.server.workers > 1)
+    if config.server.metrics_port:
+        check_can_listen(config.server.host, config.server.metrics_port, flag="--metrics-port")
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if config.workers > 1 and not config.redis_url:
+    if config.server.workers > 1 and not config.fleet.redis_url:
         logging.getLogger("prefix_router").warning(
             "%d workers without redis_url: each worker learns its own prefix map, so a "
             "prefix seen by one worker is unknown to the others (set redis_url to share it)",
-            config.workers,
+            config.server.workers,
         )
     print(
-        f"prefix-router {__version__} starting on http://{config.host}:{config.port} "
-        f"(policy {config.policy}, {len(config.replicas)} replicas, {config.workers} "
-        f"worker{'s' if config.workers > 1 else ''})",
+        f"prefix-router {__version__} starting on http://{config.server.host}:{config.server.port} "
+        f"(policy {config.routing.policy}, {len(config.discovery.replicas)} replicas, {config.server.workers} "
+        f"worker{'s' if config.server.workers > 1 else ''})",
         flush=True,
     )
-    if config.workers == 1:
+    if config.server.workers == 1:
         return _run_worker(config)
     return _run_workers(config)
 
@@ -96,7 +97,7 @@ def _run_worker(config: Config) -> int:
     try:
         _run_app(app, config, loop)
     except OSError as e:  # lost a race for the port checked free at start
-        raise UsageError(listen_error(config.host, config.port, e)) from None
+        raise UsageError(listen_error(config.server.host, config.server.port, e)) from None
     return 0
 
 
@@ -117,7 +118,7 @@ def _log_lifecycle(app: web.Application, config: Config) -> None:
     async def draining(app: web.Application) -> None:
         log.info(
             "shutting down: no new connections; in-flight requests have %gs to finish",
-            config.shutdown_grace_s,
+            config.server.shutdown_grace_s,
         )
 
     async def stopped(app: web.Application) -> None:
@@ -142,7 +143,7 @@ def _run_workers(config: Config) -> int:
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_worker_process, args=(config,), name=f"worker-{i}")
-        for i in range(config.workers)
+        for i in range(config.server.workers)
     ]
     for p in procs:
         p.start()

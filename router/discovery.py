@@ -309,7 +309,7 @@ class DnsDiscoveryConfig:
 
     @classmethod
     def from_config(cls, config: Any) -> DnsDiscoveryConfig | None:
-        """From an object with ``discovery_*`` attributes (the gateway's ``Config``); None
+        """From an object with ``discovery_*`` attributes (the gateway's ``config.discovery``); None
         when ``discovery_dns`` is not set."""
         if not getattr(config, "discovery_dns", None):
             return None
@@ -392,7 +392,7 @@ class DnsDiscovery:
         resolver: Resolver | None = None,
     ) -> DnsDiscovery:
         """From a :class:`DnsDiscoveryConfig`, an unprefixed mapping, or the gateway's
-        ``Config`` (its ``discovery_*`` fields)."""
+        ``config.discovery`` (its ``discovery_*`` fields)."""
         if isinstance(cfg, Mapping):
             cfg = DnsDiscoveryConfig.from_mapping(cfg)
         elif not isinstance(cfg, DnsDiscoveryConfig):

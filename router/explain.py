@@ -144,7 +144,7 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
     reader: nothing of the body is read (or inflated, or parsed) for a refused caller."""
     gateway = handlers.gw
     config = gateway.config
-    check_admin(request, config.admin_key, required=False, networks=config.admin_networks)
+    check_admin(request, config.auth.admin_key, required=False, networks=config.auth.admin_networks)
     tenant = handlers.identify(request)
     raw = await handlers.read_body(request, tenant=tenant)  # as the live path reads it
     hint = request.query.get("endpoint") or request.headers.get("X-Prefix-Router-Endpoint")

@@ -52,13 +52,13 @@ class FleetMode:
         spawn: Spawn,
         on_change: Callable[[], None],
     ) -> None:
-        assert config.redis_url
+        assert config.fleet.redis_url
         self.config = config
         self.fleet = fleet
         self.metrics = metrics
         self._spawn = spawn
         self._on_change = on_change
-        self.redis = make_client(config.redis_url)
+        self.redis = make_client(config.fleet.redis_url)
         self.index: ResilientIndex | None = None
         self.sync: FleetSync | None = None
         self._sync_was_up = True
@@ -66,17 +66,17 @@ class FleetMode:
 
     async def start(self) -> PrefixIndex:
         config = self.config
-        capacity = config.capacity_blocks or 65_536
+        capacity = config.routing.capacity_blocks or 65_536
         shared = RedisIndex(
             self.redis,
             UNKNOWN_MODEL,
             model_of=self.fleet.model_of,  # each model's keys under its own tag
-            namespace=config.redis_prefix,
+            namespace=config.fleet.redis_prefix,
             default_capacity=capacity,
-            refresh_blocks=config.redis_refresh_blocks or None,  # router/index/redis.py
+            refresh_blocks=config.fleet.redis_refresh_blocks or None,  # router/index/redis.py
         )
         self.index = ResilientIndex(
-            shared, MemoryIndex(capacity), match_timeout_s=config.redis_timeout_ms / 1000
+            shared, MemoryIndex(capacity), match_timeout_s=config.fleet.redis_timeout_ms / 1000
         )
         self.index.on_state_change(self._on_redis_state)
         self.metrics.redis_up.set(1 if await self.index.start() else 0)
@@ -87,8 +87,8 @@ class FleetMode:
             new_gateway_id(),
             self._local_load,
             lambda: {r.url for r in fleet.healthy()},
-            namespace=config.redis_prefix,
-            interval_s=config.sync_interval_s,
+            namespace=config.fleet.redis_prefix,
+            interval_s=config.fleet.sync_interval_s,
             on_tick=self._on_tick,
         )
         await self.sync.start()

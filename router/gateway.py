@@ -78,7 +78,7 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(
-            max(1, config.tokenize_threads), thread_name_prefix="tokenize"
+            max(1, config.server.tokenize_threads), thread_name_prefix="tokenize"
         )
         self.background = Background()
         self.wiring = FleetWiring(config, self.metrics, index)
@@ -94,37 +94,47 @@ class Gateway:
         # The proxy path's own client (router/upstream.py); the wiring's session serves the
         # fleet's health checks and scrapes.
         self.upstream = UpstreamPool(
-            connect_timeout=config.connect_timeout_s,
-            read_timeout=max(config.first_byte_timeout_s, config.idle_timeout_s),
+            connect_timeout=config.forwarding.connect_timeout_s,
+            read_timeout=max(
+                config.forwarding.first_byte_timeout_s, config.forwarding.idle_timeout_s
+            ),
         )
         self.forwarder = Forwarder(
             self.upstream,
             self.metrics,
-            config.max_retries,
+            config.forwarding.max_retries,
             lambda: self.wiring.fleet,
             self.wiring.sync_ring,
         )
-        self.forward_allow = header_allow_list(config.auth, config.forward_headers)
+        self.forward_allow = header_allow_list(
+            config.auth.enabled, config.forwarding.forward_headers
+        )
         self.draining = False
         # What start-up reports (router/startup.py): where the tokenizer and the block size
         # came from, whether it listens and has said "gateway ready".
-        self.block_size_source = "--block-size" if config.block_size else "the default"
+        self.block_size_source = "--block-size" if config.routing.block_size else "the default"
         self.tokenizer_source = "given by the caller" if renderer is not None else "not loaded"
         self.listening = False
         self.announced_ready = False
         # Request-body bytes being received now, with each client's share (router/handlers.py).
         self.body_bytes = SharedBudget(
-            config.max_inflight_body_bytes,
-            share_of(config.max_inflight_body_bytes, config.client_share, config.max_body_bytes),
+            config.limits.max_inflight_body_bytes,
+            share_of(
+                config.limits.max_inflight_body_bytes,
+                config.limits.client_share,
+                config.limits.max_body_bytes,
+            ),
         )
         # Costly JSON bodies are parsed and held to the limits in a child process first, with
         # each client's share of the bytes waiting for it (router/json_check.py).
         self.json_check = JsonCheck(
             self.limits,
             SharedBudget(
-                config.max_inflight_body_bytes,
+                config.limits.max_inflight_body_bytes,
                 share_of(
-                    config.max_inflight_body_bytes, config.client_share, config.max_body_bytes
+                    config.limits.max_inflight_body_bytes,
+                    config.limits.client_share,
+                    config.limits.max_body_bytes,
                 ),
             ),
             self._json_checked,
@@ -156,11 +166,11 @@ class Gateway:
         config, wiring, path = self.config, self.wiring, self.path
         await wiring.open()
         await wiring.wait_for_a_model(path.renderer is not None)  # the registry, fleet mode
-        if config.redis_url:
+        if config.fleet.redis_url:
             await wiring.join_fleet_mode(self.background.spawn)
         wiring.sync_ring()
         await self._load_models()
-        if config.kv_events:
+        if config.kv_events.enabled:
             sub = await start_for(
                 config,
                 wiring.fleet,
@@ -180,9 +190,9 @@ class Gateway:
             self.flow_share = UsageShare(
                 flow,
                 lambda: fleet_mode.redis,
-                config.redis_prefix,
+                config.fleet.redis_prefix,
                 lambda: fleet.models(),
-                config.sync_interval_s,
+                config.fleet.sync_interval_s,
             )
             await self.flow_share.start()
         await wiring.apply_capacities()
@@ -204,9 +214,9 @@ class Gateway:
             path.renderer = await loop.run_in_executor(
                 self.executor,
                 load_renderer,
-                self.config.tokenizer,
+                self.config.routing.tokenizer,
                 None,
-                self.config.max_prompt_chars,
+                self.config.limits.max_prompt_chars,
             )
             models.injected = path.renderer
         if path.renderer is not None:
@@ -222,8 +232,8 @@ class Gateway:
         """The start-up summary's tokenizer and block-size lines (router/startup.py)."""
         entries = sorted(self.path.models.entries.values(), key=lambda e: e.name)
         if not entries:
-            if self.path.renderer is not None and self.config.tokenizer:
-                self.tokenizer_source = tokenizer_source(self.config.tokenizer, None)
+            if self.path.renderer is not None and self.config.routing.tokenizer:
+                self.tokenizer_source = tokenizer_source(self.config.routing.tokenizer, None)
             return
         sources = {
             "replicas": "reported by the replicas in vllm:cache_config_info",

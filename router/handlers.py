@@ -65,7 +65,7 @@ class Handlers:
     def client_of(self, request: web.Request, tenant: str | None) -> str:
         """Whose share of the shared budgets a request draws on: its tenant with auth on (a
         key proved it), else its peer address (with auth off anyone can name any tenant)."""
-        if self.gw.config.auth and tenant is not None:
+        if self.gw.config.auth.enabled and tenant is not None:
             return f"tenant:{tenant}"
         return peer_key(request.remote)
 
@@ -78,7 +78,7 @@ class Handlers:
         byte counted as it arrives, so an announced length reserves nothing. JSON is checked
         first and decoded after, bounded (router/body.py); ``as_sent``: the bytes as they
         came (a multipart upload forwarded whole)."""
-        limit = self.gw.config.max_body_bytes
+        limit = self.gw.config.limits.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
             raise APIError(
@@ -93,13 +93,13 @@ class Handlers:
             self._check_budget(self.gw.body_bytes.fits(client, length))
         try:
             raw = await asyncio.wait_for(
-                self._receive(request, client, limit), self.gw.config.body_timeout_s
+                self._receive(request, client, limit), self.gw.config.limits.body_timeout_s
             )
         except asyncio.TimeoutError:
             self.gw.metrics.rejected.labels("body_timeout").inc()
             raise APIError(
                 408,
-                f"the request body did not arrive within {self.gw.config.body_timeout_s:g} s",
+                f"the request body did not arrive within {self.gw.config.limits.body_timeout_s:g} s",
                 code="body_timeout",
                 close_connection=True,
             ) from None
@@ -176,8 +176,8 @@ class Handlers:
         return request_headers(
             request.headers,
             request[REQUEST_ID],
-            config.upstream_api_key,
-            forward_authorization=not config.auth,
+            config.forwarding.upstream_api_key,
+            forward_authorization=not config.auth.enabled,
             allow=self.gw.forward_allow,
         )
 
@@ -229,7 +229,7 @@ class Handlers:
     def _check_admin(self, request: web.Request) -> None:
         """The admin key, as ``X-Admin-Key`` or as a bearer token (what Prometheus'
         ``authorization`` scrape setting sends)."""
-        if not admin_key_ok(request, self.gw.config.admin_key, accept_bearer=True):
+        if not admin_key_ok(request, self.gw.config.auth.admin_key, accept_bearer=True):
             raise APIError(
                 401,
                 "with auth on, /metrics needs the admin key (X-Admin-Key or Authorization: "
@@ -267,7 +267,7 @@ class Handlers:
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        if self.gw.config.auth:
+        if self.gw.config.auth.enabled:
             # Tenant names, per-tenant counts and replica URLs are not for every API key:
             # the admin key, or the separate metrics_port (a scrape-only listener).
             self._check_admin(request)

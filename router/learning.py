@@ -91,7 +91,7 @@ class Learner:
         if kv_events is not None and kv_events.is_up(decision.replica):
             return  # the replica's events keep the index exact
         if reported == 0 and decision.matched_blocks >= 2 and rr.block_hashes:
-            evidence = self._lost.setdefault(decision.replica, LostCache(self.config.auth))
+            evidence = self._lost.setdefault(decision.replica, LostCache(self.config.auth.enabled))
             if evidence.miss(time.monotonic(), rr.tenant, rr.block_hashes[-1]):
                 # Misses of different prompts, from different tenants or over time: the
                 # replica's cache was lost (restart, reset) behind our back. Forget what we

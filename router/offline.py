@@ -79,7 +79,7 @@ def offline_gateway(
     config = load_config(
         argparse.Namespace(config=config_file), tokenizer=tokenizer, block_size=block_size
     )
-    renderer = load_renderer(tokenizer, model, config.max_prompt_chars)
+    renderer = load_renderer(tokenizer, model, config.limits.max_prompt_chars)
     gateway = Gateway(config, renderer, converters=CONVERTERS)
     gateway.tokenizer_source = tokenizer_source(tokenizer, model)
     return gateway

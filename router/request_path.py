@@ -99,17 +99,17 @@ class RequestPath:
         self.executor = executor
         self.spawn = spawn
         self.tenancy = Tenancy(config)
-        self.limits = BodyLimits.from_config(config)
+        self.limits = BodyLimits.from_config(config.limits)
         self.renderer = renderer  # --tokenizer's (or one handed in): see ModelRegistry
-        self.block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        self.block_size = config.routing.block_size or DEFAULT_BLOCK_SIZE
         # Per served model: renderer, block size, replicas, drift (router/models/).
         self.models = ModelRegistry(
-            config.models,
-            config.model_aliases,
-            flag_tokenizer=config.tokenizer,
-            flag_block_size=config.block_size,
+            config.registry.models,
+            config.registry.model_aliases,
+            flag_tokenizer=config.routing.tokenizer,
+            flag_block_size=config.routing.block_size,
             injected=renderer,
-            max_prompt_chars=config.max_prompt_chars,
+            max_prompt_chars=config.limits.max_prompt_chars,
         )
         # Its owner at run time: refresh, routes, adapters, per-model learning and drift.
         self.upkeep = ModelUpkeep(
@@ -123,19 +123,19 @@ class RequestPath:
         )
         self.converters = dict(converters or {})
         self.chain_cache = blocks.ChainCache()
-        self.policy: Pipeline = from_config(config, wiring.ring)  # schedule + policy flags
+        self.policy: Pipeline = from_config(config.routing, wiring.ring)  # schedule + policy flags
         # Route on a prompt's head and tokenize the rest off the critical path
         # (router/lazy_tail.py), where the policy provably decides the same.
         why_not = lazy_tail.policy_allows(self.policy)
-        self.lazy_tail = config.lazy_tail and why_not is None
-        if config.lazy_tail and why_not is not None:
+        self.lazy_tail = config.routing.lazy_tail and why_not is None
+        if config.routing.lazy_tail and why_not is not None:
             log.info("lazy tail off: %s", why_not)
         self.observers: list[Observer] = []
         # What each answered request teaches (router/learning.py).
         self.learner = Learner(config, metrics, wiring, self.upkeep, self.observers, spawn)
         # Flow control (router/flow/): fair queuing per tenant while the replicas are full.
         self.flow = FlowController(
-            FlowConfig.from_config(config), self._flow_replicas, metrics.registry
+            FlowConfig.from_config(config.flow), self._flow_replicas, metrics.registry
         )
         self.response_chains = ResponseChains()  # Responses chains as one session each
 
@@ -202,7 +202,7 @@ class RequestPath:
         if head is not None and entry.renderer is not None:  # the rest: once it is on its way
             finish = functools.partial(_finish, entry.renderer, head, salt.salt)
             begin = functools.partial(loop.run_in_executor, self.executor, finish)
-            limit = self.config.max_hashed_blocks
+            limit = self.config.routing.max_hashed_blocks
             capped = limit is not None and len(hashes) >= limit
             inline = finish if self._tail_inline(head, entry.renderer) else None
             tail = Tail(begin, len(hashes), capped, inline)
@@ -253,7 +253,7 @@ class RequestPath:
             size,
             cache_salt=salt,
             lora=lora,
-            max_blocks=self.config.max_hashed_blocks,
+            max_blocks=self.config.routing.max_hashed_blocks,
             namespace=entry.namespace,
             known=known,
         )
@@ -341,7 +341,9 @@ class RequestPath:
             return fallback.prompt_ids(admitted.chat, admitted.body)
         # The segment cache is scoped like the replicas' prefix caches: by the salt sent;
         # new text is encoded within a CPU budget, and stops once it cannot fit the context.
-        budget = segments.budget(self.config.max_tokenize_cpu_s, self._max_prompt_tokens(admitted))
+        budget = segments.budget(
+            self.config.limits.max_tokenize_cpu_s, self._max_prompt_tokens(admitted)
+        )
         with renderer.cache_scope(admitted.salt.salt), budget:
             if admitted.chat is not None:
                 return renderer.chat_ids(admitted.chat)

@@ -65,9 +65,11 @@ class RoutedJob(Job):
         # Which replica answered is for operators: off by default when tenants are
         # separated, and never its URL for a tenant (replica_name).
         self.decision_headers = (
-            config.decision_headers if config.decision_headers is not None else not config.auth
+            config.routing.decision_headers
+            if config.routing.decision_headers is not None
+            else not config.auth.enabled
         )
-        self.auth = config.auth
+        self.auth = config.auth.enabled
         self.fleet: Fleet = path.wiring.fleet
         self.ticket = ticket  # flow control's (router/flow/): released by the caller
         self._sent_at = 0.0

@@ -45,11 +45,11 @@ def summary(gw: Gateway, url: str) -> list[str]:
     replicas = list(gw.fleet.replicas.values())
     healthy = [r for r in replicas if r.healthy]
     down = [_state(r) for r in replicas if not r.healthy]
-    where = f" (DNS {config.discovery_dns}, every {config.discovery_interval_s:g} s)"
+    where = f" (DNS {config.discovery.discovery_dns}, every {config.discovery.discovery_interval_s:g} s)"
     lines = [
         f"prefix-router {__version__} listening on {url}",
         f"  replicas    {len(replicas)} ({len(healthy)} healthy)"
-        + (where if config.discovery_dns else "")
+        + (where if config.discovery.discovery_dns else "")
         + ("; down: " + "; ".join(down) if down else ""),
         f"  models      {', '.join(sorted(gw.fleet.models())) or 'none reported yet'}",
         f"  tokenizer   {gw.tokenizer_source}",
@@ -59,18 +59,20 @@ def summary(gw: Gateway, url: str) -> list[str]:
         f"  KV events   {_kv_events(gw)}",
         f"  auth        {_auth(gw)}",
     ]
-    if config.metrics_port:
-        lines.append(f"  metrics     /metrics also on port {config.metrics_port} without a key")
+    if config.server.metrics_port:
+        lines.append(
+            f"  metrics     /metrics also on port {config.server.metrics_port} without a key"
+        )
     return lines
 
 
 def _fleet_mode(gw: Gateway) -> str:
     config = gw.config
-    if not config.redis_url:
+    if not config.fleet.redis_url:
         return "off (this gateway's own prefix map; --redis-url shares it)"
     index = gw.fleet_mode.index if gw.fleet_mode is not None else None
     state = "Redis up" if index is not None and index.redis_up else "Redis DOWN (routing locally)"
-    return f"on, {mask_url_credentials(config.redis_url)}, prefix {config.redis_prefix!r}: {state}"
+    return f"on, {mask_url_credentials(config.fleet.redis_url)}, prefix {config.fleet.redis_prefix!r}: {state}"
 
 
 def _kv_events(gw: Gateway) -> str:
@@ -78,17 +80,17 @@ def _kv_events(gw: Gateway) -> str:
         return "off (the index is the gateway's model of the replicas' caches)"
     streams = gw.kv_events.streams
     up = sum(1 for s in streams.values() if s.connected)
-    return f"on, {len(streams)} streams ({up} connected), topic {gw.config.kv_events_topic!r}"
+    return f"on, {len(streams)} streams ({up} connected), topic {gw.config.kv_events.kv_events_topic!r}"
 
 
 def _auth(gw: Gateway) -> str:
     config = gw.config
     table = gw.tenancy.table
     salt = gw.tenancy.default_policy
-    if not config.auth:
-        header = f", tenant header {config.tenant_header}" if config.tenant_header else ""
+    if not config.auth.enabled:
+        header = f", tenant header {config.auth.tenant_header}" if config.auth.tenant_header else ""
         return f"off (client keys pass through to the replicas{header}), salt policy {salt}"
-    admin = "set" if config.admin_key else "not set (admin endpoints refused)"
+    admin = "set" if config.auth.admin_key else "not set (admin endpoints refused)"
     return (
         f"on, {len(table.keys)} keys for {len(table.tenants)} tenants, salt policy {salt}, "
         f"admin key {admin}"

@@ -206,10 +206,10 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
     """Build the table from the keys file, the config and ``PREFIX_ROUTER_API_KEYS``."""
     env = os.environ if env is None else env
     table = TenantTable()
-    data = _read_keys_file(Path(config.api_keys_file)) if config.api_keys_file else {}
-    where = config.api_keys_file or "config"
+    data = _read_keys_file(Path(config.auth.api_keys_file)) if config.auth.api_keys_file else {}
+    where = config.auth.api_keys_file or "config"
     file_tenants = _mapping(data.get("tenants"), "tenants", where)
-    config_tenants = _mapping(config.tenants, "tenants", "config")
+    config_tenants = _mapping(config.auth.tenants, "tenants", "config")
     default_policy = default_salt_policy(config)
 
     def add_key(digest: str, tenant: str) -> None:
@@ -262,13 +262,13 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
         add_key(key_digest(key), name)
         table.tenants.setdefault(name, TenantPolicy(name, default_policy))
     secrets = _parse_secrets(data.get("salt_secrets"), where)
-    if config.salt_secret:
-        secrets += _parse_secrets(config.salt_secret, "salt_secret")
+    if config.auth.salt_secret:
+        secrets += _parse_secrets(config.auth.salt_secret, "salt_secret")
         secrets.sort(key=lambda s: s.not_before, reverse=True)
     table.secrets = secrets
     prefixes = {
         **_mapping(data.get("public_prefixes"), "public_prefixes", where),
-        **_mapping(config.public_prefixes, "public_prefixes", "config"),
+        **_mapping(config.auth.public_prefixes, "public_prefixes", "config"),
     }
     for pname, messages in prefixes.items():
         table.public_prefixes[str(pname)] = _normalise_messages(messages, f"{where}: {pname}")
@@ -286,7 +286,7 @@ def check_table(config: Config, table: TenantTable) -> None:
     default_policy = default_salt_policy(config)
     policies = {default_policy, *(t.salt_policy for t in table.tenants.values())}
     problems = []
-    if config.auth and "passthrough" in policies:
+    if config.auth.enabled and "passthrough" in policies:
         # With auth on, a forwarded client salt could name another tenant's scope.
         problems.append(
             "salt_policy passthrough is for auth off only; with auth on use tenant, "
@@ -297,7 +297,7 @@ def check_table(config: Config, table: TenantTable) -> None:
             "the salt policy needs a server secret: set salt_secret "
             "(PREFIX_ROUTER_SALT_SECRET) or salt_secrets in api_keys_file"
         )
-    if config.auth and not table.keys:
+    if config.auth.enabled and not table.keys:
         problems.append(
             "auth is on but no API keys are configured (api_keys_file or PREFIX_ROUTER_API_KEYS)"
         )
@@ -306,11 +306,11 @@ def check_table(config: Config, table: TenantTable) -> None:
 
 
 def default_salt_policy(config: Config) -> str:
-    if config.salt_policy != "auto":
-        if config.salt_policy not in POLICIES:
+    if config.auth.salt_policy != "auto":
+        if config.auth.salt_policy not in POLICIES:
             raise ConfigError(f"salt_policy must be auto or one of {', '.join(POLICIES)}")
-        return config.salt_policy
-    return "tenant" if config.auth else "passthrough"
+        return config.auth.salt_policy
+    return "tenant" if config.auth.enabled else "passthrough"
 
 
 class Tenancy:
@@ -327,10 +327,10 @@ class Tenancy:
 
     def _file_signature(self) -> tuple[int, int, int] | None:
         """(mtime ns, size, inode): an in-place rewrite or an atomic rename both change it."""
-        if not self.config.api_keys_file:
+        if not self.config.auth.api_keys_file:
             return None
         try:
-            st = os.stat(self.config.api_keys_file)
+            st = os.stat(self.config.auth.api_keys_file)
         except OSError:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -339,7 +339,7 @@ class Tenancy:
         """At most once a second, reload the keys file if it changed; keep the old table if
         the new file is broken or incomplete (and say so, without quoting it)."""
         now = time.monotonic()
-        if not self.config.api_keys_file or (not force and now - self._checked < 1.0):
+        if not self.config.auth.api_keys_file or (not force and now - self._checked < 1.0):
             return
         self._checked = now
         signature = self._file_signature()
@@ -354,13 +354,13 @@ class Tenancy:
         except Exception as e:  # anything else may quote the file: only its type
             log.error(
                 "keeping the previous tenants: %s could not be loaded (%s)",
-                self.config.api_keys_file,
+                self.config.auth.api_keys_file,
                 type(e).__name__,
             )
             return
         log.info(
             "reloaded %s: %d tenants, %d keys, %d salt secrets",
-            self.config.api_keys_file,
+            self.config.auth.api_keys_file,
             len(self.table.tenants),
             len(self.table.keys),
             len(self.table.secrets),
@@ -370,9 +370,9 @@ class Tenancy:
     def identify(self, headers: Mapping[str, str]) -> str:
         """The tenant of a request; a 401 ``APIError`` when auth is on and fails."""
         self.maybe_reload()
-        if not self.config.auth:
-            if self.config.tenant_header:
-                name = headers.get(self.config.tenant_header, "").strip()
+        if not self.config.auth.enabled:
+            if self.config.auth.tenant_header:
+                name = headers.get(self.config.auth.tenant_header, "").strip()
                 if name and len(name) <= 128 and name.isprintable():
                     return name
             return DEFAULT_TENANT

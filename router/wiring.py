@@ -35,8 +35,8 @@ class FleetWiring:
     def __init__(self, config: Config, metrics: Metrics, index: PrefixIndex | None) -> None:
         self.config = config
         self.metrics = metrics
-        self.index: PrefixIndex = index or MemoryIndex(config.capacity_blocks or 65_536)
-        self.ring = Rings(virtual_nodes=config.virtual_nodes)  # one ring per model
+        self.index: PrefixIndex = index or MemoryIndex(config.routing.capacity_blocks or 65_536)
+        self.ring = Rings(virtual_nodes=config.routing.virtual_nodes)  # one ring per model
         self.session: aiohttp.ClientSession | None = None  # health checks and scrapes
         self._fleet: Fleet | None = None
         self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
@@ -70,31 +70,31 @@ class FleetWiring:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         headers = (
-            {"Authorization": f"Bearer {config.upstream_api_key}"}
-            if config.upstream_api_key
+            {"Authorization": f"Bearer {config.forwarding.upstream_api_key}"}
+            if config.forwarding.upstream_api_key
             else {}
         )
         self._fleet = Fleet(
-            config.replicas,
+            config.discovery.replicas,
             self.session,
-            health_interval_s=config.health_interval_s,
-            metrics_interval_s=config.metrics_interval_s,
+            health_interval_s=config.health.health_interval_s,
+            metrics_interval_s=config.health.metrics_interval_s,
             outlier=outlier_policy(config),
-            first_byte_timeout_s=config.first_byte_timeout_s,
-            first_byte_timeout_floor_s=config.first_byte_timeout_floor_s,
-            first_byte_timeout_factor=config.first_byte_timeout_factor,
+            first_byte_timeout_s=config.forwarding.first_byte_timeout_s,
+            first_byte_timeout_floor_s=config.forwarding.first_byte_timeout_floor_s,
+            first_byte_timeout_factor=config.forwarding.first_byte_timeout_factor,
             upstream_headers=headers,
             on_event=self._on_fleet_event,
         )
         await self._fleet.start()
-        if config.discovery_dns:
-            self.discovery = DnsDiscovery.from_config(config, self._on_discovered)
+        if config.discovery.discovery_dns:
+            self.discovery = DnsDiscovery.from_config(config.discovery, self._on_discovered)
             await self.discovery.start()  # the first lookup completes before serving
 
     async def wait_for_a_model(self, has_renderer: bool = False) -> None:
         """With no tokenizer configured the gateway renders with the models the replicas
         report: wait (bounded) for one to come up, as replicas started alongside take seconds."""
-        if self.config.tokenizer or has_renderer or self.fleet.base_model():
+        if self.config.routing.tokenizer or has_renderer or self.fleet.base_model():
             return  # a model coming up later joins the registry then
         states = "; ".join(
             f"{r.url}: {'up' if r.healthy else r.health_error or 'not checked yet'}"
@@ -103,12 +103,12 @@ class FleetWiring:
         log.info(
             "waiting up to %gs for a replica to report its model at /v1/models (no --tokenizer "
             "given; pass one to start without waiting): %s",
-            self.config.startup_wait_s,
+            self.config.server.startup_wait_s,
             states or "no replicas yet",
         )
         # The fleet's health loop probes the replicas and fetches their models.
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._model_reported.wait(), self.config.startup_wait_s)
+            await asyncio.wait_for(self._model_reported.wait(), self.config.server.startup_wait_s)
 
     async def join_fleet_mode(self, spawn: Spawn) -> None:
         """Share the index, the ring and the load with the other gateways on Redis."""
@@ -153,7 +153,7 @@ class FleetWiring:
             await self.apply_capacity(r)
 
     async def apply_capacity(self, replica: Replica) -> None:
-        blocks_ = self.config.capacity_blocks or replica.stats.num_gpu_blocks
+        blocks_ = self.config.routing.capacity_blocks or replica.stats.num_gpu_blocks
         if blocks_:
             await self.index.set_capacity(replica.url, blocks_)
 
@@ -182,12 +182,12 @@ class FleetWiring:
 
 def outlier_policy(config: Config) -> OutlierPolicy:
     return OutlierPolicy(
-        window_s=config.outlier_window_s,
-        min_requests=config.outlier_min_requests,
-        error_ratio=config.outlier_error_ratio,
-        consecutive_failures=config.eject_after_failures,
-        base_ejection_s=config.ejection_base_s,
-        max_ejection_s=config.ejection_max_s,
-        max_ejected_percent=config.max_ejected_percent,
-        decay_s=config.ejection_decay_s,
+        window_s=config.health.outlier_window_s,
+        min_requests=config.health.outlier_min_requests,
+        error_ratio=config.health.outlier_error_ratio,
+        consecutive_failures=config.health.eject_after_failures,
+        base_ejection_s=config.health.ejection_base_s,
+        max_ejection_s=config.health.ejection_max_s,
+        max_ejected_percent=config.health.max_ejected_percent,
+        decay_s=config.health.ejection_decay_s,
     )

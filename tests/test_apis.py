@@ -346,7 +346,7 @@ async def test_previous_response_id_reaches_its_replica_via_another_gateway(
                 {"model": MODEL, "input": "Hello", "max_output_tokens": 3},
             )
             assert status == 200, first
-            key = f"{g1.gateway.config.redis_prefix}:resp:{first['id']}"
+            key = f"{g1.gateway.config.fleet.redis_prefix}:resp:{first['id']}"
 
             async def shared() -> bool:
                 return await rclient.get(key) is not None

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from router import cli
-from router.config import SECTIONS, Config, ConfigError, load_config
+from router.config import FIELDS, SECTIONS, Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEAD = "http://127.0.0.1:9"
@@ -123,7 +123,7 @@ def test_nested_sections_set_what_the_flat_keys_set(tmp_path: Path) -> None:
     assert from_yaml(tmp_path, nested) == from_yaml(tmp_path, flat)
     # The environment and flags still win over a section.
     env = {"PREFIX_ROUTER_KV_EVENTS_PORT": "6000"}
-    assert from_yaml(tmp_path, nested, env).kv_events_port == 6000
+    assert from_yaml(tmp_path, nested, env).kv_events.kv_events_port == 6000
 
 
 def test_a_setting_given_twice_in_the_file_is_a_problem(tmp_path: Path) -> None:
@@ -135,11 +135,98 @@ def test_a_setting_given_twice_in_the_file_is_a_problem(tmp_path: Path) -> None:
 
 
 def test_sections_name_real_fields_once() -> None:
-    names = {f.name for f in dataclasses.fields(Config)}
+    names = set(FIELDS)
     seen: list[str] = []
     for section in SECTIONS.values():
         seen += section.fields
         assert set(section.fields) <= names
         assert section.enabled is None or section.enabled in names
-    assert len(seen) == len(set(seen))
+    assert len(seen) == len(set(seen)) == len(names)  # every field in exactly one section
     assert not set(SECTIONS) & (names - {"auth", "kv_events"})  # only switches share a name
+    assert set(SECTIONS) == {f.name for f in dataclasses.fields(Config)}
+
+
+# A value unlike the default for every field, in the form each source gives it.
+def _sample(name: str) -> tuple[object, str]:
+    """(the value as a YAML file gives it, as a flag or environment variable gives it)."""
+    default = FIELDS[name].field.default
+    if name == "replicas":
+        return ["http://10.0.0.7:8000"], "http://10.0.0.7:8000"
+    if name in ("forward_headers", "admin_networks"):
+        return ["10.1.0.0/16"], "10.1.0.0/16"
+    special: dict[str, object] = {
+        "port": 8123,
+        "metrics_port": 9123,
+        "kv_events_port": 6123,
+        "kv_events_replay_port": 6124,
+        "discovery_port": 8124,
+        "log_level": "debug",
+        "policy": "round_robin",
+        "salt_policy": "tenant",
+        "redis_url": "redis://10.0.0.9:6379/0",
+        "outlier_error_ratio": 0.25,
+        "client_share": 0.5,
+        "flow_kv_usage_max": 0.5,
+        "max_ejected_percent": 25.0,
+        "max_inflight_body_bytes": 2**30,
+        "tokenizer": "/nonexistent/tokenizer",
+    }
+    if name in special:
+        value = special[name]
+    elif "bool" in str(FIELDS[name].type):
+        value = not default
+    elif "int" in str(FIELDS[name].type):
+        value = (default or 0) + 3
+    elif "float" in str(FIELDS[name].type):
+        value = (default or 0.0) + 1.5
+    else:
+        value = f"{name}-x"
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return value, text
+
+
+FLAT_SETTABLE = [n for n, ref in FIELDS.items() if ref.field.metadata.get("flag", True)]
+
+
+def test_every_flat_key_env_name_and_flag_sets_its_section_field(tmp_path: Path) -> None:
+    """The flat names keep working in all three forms, and land where the code reads them."""
+    samples = {name: _sample(name) for name in FLAT_SETTABLE}
+    expected = {name: value for name, (value, _) in samples.items()}
+    flat = from_yaml(tmp_path, expected)
+    env = load_config(env={"PREFIX_ROUTER_" + n.upper(): text for n, (_, text) in samples.items()})
+    parser = argparse.ArgumentParser()
+    from router.config import add_arguments
+
+    add_arguments(parser)
+    argv: list[str] = []
+    for name, (value, text) in samples.items():
+        flag = "--replica" if name == "replicas" else "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, text]
+    flags = load_config(parser.parse_args(argv), env={})
+    for name, value in expected.items():
+        ref = FIELDS[name]
+        for config in (flat, env, flags):
+            assert getattr(getattr(config, ref.section), ref.attr) == value, (name, config)
+            assert config.get(name) == value
+    assert flat == env == flags
+
+
+def test_every_field_can_be_given_inside_its_section(tmp_path: Path) -> None:
+    samples = {name: _sample(name)[0] for name in FLAT_SETTABLE}
+    samples["models"] = {"m": {"tokenizer": "/nonexistent/tokenizer"}}
+    samples["tenants"] = {"a": {"keys": ["k" * 24]}}
+    nested: dict[str, dict[str, object]] = {}
+    for name, value in samples.items():
+        ref = FIELDS[name]
+        nested.setdefault(ref.section, {})[ref.attr] = value  # the name the code reads
+    assert from_yaml(tmp_path, nested) == from_yaml(tmp_path, samples)
+    # the flat names and the names without a section's prefix are accepted inside it too
+    short = {"flow": {"enabled": True, "max_queue": 7}, "discovery": {"dns": "gw.local"}}
+    longer = {"flow": {"flow_control": True, "flow_max_queue": 7}, "discovery_dns": "gw.local"}
+    config = from_yaml(tmp_path, short)
+    assert config == from_yaml(tmp_path, longer)
+    assert config.flow.enabled and config.flow.flow_max_queue == 7
+    assert config.discovery.discovery_dns == "gw.local"

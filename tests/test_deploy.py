@@ -127,9 +127,11 @@ def test_image_default_config() -> None:
     config = effective_config(
         cmd, {"PREFIX_ROUTER_REPLICAS": "http://vllm:8000"}, {CONFIG_PATH: default}
     )
-    assert config.host == "0.0.0.0" and config.port == 8080  # EXPOSE, HEALTHCHECK default
-    assert config.tokenizer == "/models/tokenizer"
-    assert config.replicas == ["http://vllm:8000"]
+    assert (
+        config.server.host == "0.0.0.0" and config.server.port == 8080
+    )  # EXPOSE, HEALTHCHECK default
+    assert config.routing.tokenizer == "/models/tokenizer"
+    assert config.discovery.replicas == ["http://vllm:8000"]
 
 
 def load_healthcheck() -> Any:
@@ -315,10 +317,10 @@ def test_compose_gateway_config_is_accepted_by_the_gateway(compose: dict[str, An
         config = effective_config(
             as_list(gw["command"]), env_of(gw), {CONFIG_PATH: COMPOSE / mount.split(":")[0]}
         )
-        assert config.host == "0.0.0.0"
-        assert urlsplit(config.redis_url or "").hostname in services
-        assert config.block_size is not None, "explicit, equal to the replicas'"
-        for url in config.replicas:
+        assert config.server.host == "0.0.0.0"
+        assert urlsplit(config.fleet.redis_url or "").hostname in services
+        assert config.routing.block_size is not None, "explicit, equal to the replicas'"
+        for url in config.discovery.replicas:
             assert urlsplit(url).hostname in services
 
 
@@ -546,10 +548,12 @@ def k8s_effective_config(tmp_path: Path, *, placeholders: bool = False) -> Confi
 
 def test_kubernetes_gateway_config_is_accepted_by_the_gateway(tmp_path: Path) -> None:
     config = k8s_effective_config(tmp_path)
-    assert config.host == "0.0.0.0" and config.auth is True
-    assert config.api_keys_file and config.salt_secret
-    assert config.redis_url and config.discovery_dns and not config.replicas
-    assert config.block_size is not None
+    assert config.server.host == "0.0.0.0" and config.auth.enabled is True
+    assert config.auth.api_keys_file and config.auth.salt_secret
+    assert (
+        config.fleet.redis_url and config.discovery.discovery_dns and not config.discovery.replicas
+    )
+    assert config.routing.block_size is not None
 
 
 def test_kubernetes_placeholders_are_refused(tmp_path: Path) -> None:
@@ -659,7 +663,7 @@ def test_services_select_pods_with_their_ports() -> None:
 
 def test_discovery_points_at_the_headless_service(tmp_path: Path) -> None:
     cfg = gateway_config()
-    disc = DnsDiscoveryConfig.from_config(k8s_effective_config(tmp_path))
+    disc = DnsDiscoveryConfig.from_config(k8s_effective_config(tmp_path).discovery)
     assert disc is not None
     svc_name, namespace, rest = disc.dns.split(".", 2)
     assert rest == "svc.cluster.local" and namespace == "default"

@@ -360,11 +360,11 @@ def test_config_from_the_gateway_config() -> None:
             "PREFIX_ROUTER_DISCOVERY_INTERVAL_S": "5",
         }
     )
-    cfg = DnsDiscoveryConfig.from_config(config)
+    cfg = DnsDiscoveryConfig.from_config(config.discovery)
     assert cfg is not None and (cfg.dns, cfg.port, cfg.interval_s) == (NAME, 8001, 5.0)
-    assert DnsDiscoveryConfig.from_config(load_config(env={})) is None
+    assert DnsDiscoveryConfig.from_config(load_config(env={}).discovery) is None
     with pytest.raises(ValueError, match="discovery_dns"):
-        DnsDiscovery.from_config(load_config(env={}), Changes())
+        DnsDiscovery.from_config(load_config(env={}).discovery, Changes())
 
 
 def test_config_validation() -> None:

@@ -161,7 +161,7 @@ async def test_cold_prefixes_land_on_the_ring_owner_via_any_gateway(
     gws = await start_fleet_gateways(gateway, urls, redis_server.url, 3, metrics_interval_s=60)
     for gw in gws:
         await wait_for(lambda gw=gw: _ring_is(gw, urls), what="every replica on every ring")
-    reference = HashRing(urls, virtual_nodes=gws[0].gateway.config.virtual_nodes)
+    reference = HashRing(urls, virtual_nodes=gws[0].gateway.config.routing.virtual_nodes)
     landed: collections.Counter[str] = collections.Counter()
     async with aiohttp.ClientSession() as s:
         for i in range(12):

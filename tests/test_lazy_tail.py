@@ -180,7 +180,7 @@ def test_policies_that_read_more_than_integer_costs_stay_exact() -> None:
         ({"policy": "consistent_hash"}, True),
     ]:
         config = load_config(None, env={}, replicas=["http://x"], **overrides)
-        assert (policy_allows(from_config(config, ring)) is None) == allowed, overrides
+        assert (policy_allows(from_config(config.routing, ring)) is None) == allowed, overrides
 
 
 @pytest.mark.parametrize("rest", ["inline", "thread"])

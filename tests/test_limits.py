@@ -197,7 +197,7 @@ def test_limits_config_is_validated():
     with pytest.raises(ConfigError, match="max_json_depth"):
         load_config(None, env={}, max_json_depth=0)
     config = load_config(None, env={"PREFIX_ROUTER_MAX_TOOLS": "7"})
-    assert BodyLimits.from_config(config).max_tools == 7
+    assert BodyLimits.from_config(config.limits).max_tools == 7
 
 
 def refusal(payload: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> APIError:

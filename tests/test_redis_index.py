@@ -627,9 +627,9 @@ async def test_the_bounded_record_budget_is_a_config_key(fleet, gateway, redis_s
     from router.config import ConfigError, load_config
     from router.index.redis import DEFAULT_REFRESH_BLOCKS
 
-    assert load_config(None, env={}).redis_refresh_blocks == DEFAULT_REFRESH_BLOCKS
+    assert load_config(None, env={}).fleet.redis_refresh_blocks == DEFAULT_REFRESH_BLOCKS
     env = {"PREFIX_ROUTER_REDIS_REFRESH_BLOCKS": "16"}
-    assert load_config(None, env=env).redis_refresh_blocks == 16
+    assert load_config(None, env=env).fleet.redis_refresh_blocks == 16
     with pytest.raises(ConfigError, match="redis_refresh_blocks"):
         load_config(None, env={}, redis_refresh_blocks=-1)
     (replica,) = await fleet(1, instant=True)

@@ -137,7 +137,7 @@ async def test_ownership_holds_across_gateways_through_redis(
                 _as("acme"),
             )
             assert status == 200, first
-            key = f"{g1.gateway.config.redis_prefix}:resp:{first['id']}"
+            key = f"{g1.gateway.config.fleet.redis_prefix}:resp:{first['id']}"
 
             async def shared() -> bool:
                 return await rclient.get(key) is not None

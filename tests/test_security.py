@@ -274,7 +274,9 @@ def test_print_config_masks_credentials_in_urls():
         assert secret not in text
     assert "redis://***@redis.internal:6379/0" in text
     assert "http://10.0.0.2:8000" in text
-    assert config.redis_url and "hunter2-redis" in config.redis_url  # only the dump is masked
+    assert (
+        config.fleet.redis_url and "hunter2-redis" in config.fleet.redis_url
+    )  # only the dump is masked
 
 
 async def test_internal_error_logs_one_line(fleet, gateway, caplog, monkeypatch):

@@ -123,7 +123,7 @@ async def test_the_cpu_budget_bounds_every_input_class(fleet, gateway, char):
     that whole encode started once pieces of the run had fit the budget."""
     replicas = await fleet(1, max_model_len=10_000_000)
     gw = await gateway([replicas[0].url])
-    budget = gw.gateway.config.max_tokenize_cpu_s
+    budget = gw.gateway.config.limits.max_tokenize_cpu_s
     body = json.dumps(chat_body(char * 3_900_000))
     async with aiohttp.ClientSession() as s:
         t0 = time.process_time()

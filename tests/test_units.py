@@ -235,10 +235,10 @@ def test_config_precedence_file_env_flags(tmp_path):
             "PREFIX_ROUTER_REPLICAS": "http://b:1,http://c:1",
         },
     )
-    assert config.port == 9100  # flag beats env beats file
-    assert config.block_size == 64
-    assert config.replicas == ["http://b:1", "http://c:1"]
-    assert config.policy == "round_robin"
+    assert config.server.port == 9100  # flag beats env beats file
+    assert config.routing.block_size == 64
+    assert config.discovery.replicas == ["http://b:1", "http://c:1"]
+    assert config.routing.policy == "round_robin"
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ async def _read(handlers: Handlers, request: web.Request, tenant: str) -> tuple[
                     "gzip or deflate",
                     code="unsupported_content_encoding",
                 )
-            raw = await decode_body(coding, raw, handlers.gw.config.max_body_bytes)
+            raw = await decode_body(coding, raw, handlers.gw.config.limits.max_body_bytes)
         return raw, request.headers["Content-Type"]
     return await handlers.read_body(request, tenant=tenant), "application/json"
 
@@ -116,14 +116,16 @@ async def forward_get(handlers: Handlers, request: web.Request, request_id: str)
     handlers.identify(request)
     assert gateway.fleet is not None and gateway.session is not None
     headers = {"X-Request-Id": request_id}
-    if gateway.config.upstream_api_key:
-        headers["Authorization"] = f"Bearer {gateway.config.upstream_api_key}"
+    if gateway.config.forwarding.upstream_api_key:
+        headers["Authorization"] = f"Bearer {gateway.config.forwarding.upstream_api_key}"
     for replica in sorted(gateway.fleet.healthy(), key=load_order):
         try:
             async with gateway.session.get(
                 replica.url + request.path_qs,
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=gateway.config.connect_timeout_s + 10),
+                timeout=aiohttp.ClientTimeout(
+                    total=gateway.config.forwarding.connect_timeout_s + 10
+                ),
             ) as up:
                 body = await up.read()
                 if up.status in (502, 503):

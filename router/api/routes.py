@@ -68,8 +68,8 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
     # Fleet mode's Redis client exists once the gateway has started.
     ids = ResponseReplicas(
         redis=lambda: gateway.fleet_mode.redis if gateway.fleet_mode is not None else None,
-        namespace=gateway.config.redis_prefix,
-        enforce=gateway.config.auth,
+        namespace=gateway.config.fleet.redis_prefix,
+        enforce=gateway.config.auth.enabled,
     )
     gateway.watch(_LearnResponseIds(gateway, ids))
 
@@ -159,13 +159,14 @@ async def _relay(
     headers = request_headers(
         request.headers,
         request_id,
-        gateway.config.upstream_api_key,
-        not gateway.config.auth,
+        gateway.config.forwarding.upstream_api_key,
+        not gateway.config.auth.enabled,
         gateway.forward_allow,
     )
     del headers["Content-Type"]
     timeout = aiohttp.ClientTimeout(
-        sock_connect=gateway.config.connect_timeout_s, sock_read=gateway.config.idle_timeout_s
+        sock_connect=gateway.config.forwarding.connect_timeout_s,
+        sock_read=gateway.config.forwarding.idle_timeout_s,
     )
     out: web.StreamResponse | None = None
     try:

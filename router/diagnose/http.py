@@ -13,7 +13,7 @@ from router.gateway import Gateway
 
 async def handle(gateway: Gateway, request: web.Request) -> web.Response:
     """``GET /admin/diagnostics?model=&tenant=&app=&format=json|text&redact=1``."""
-    check_admin(request, gateway.config.admin_key, required=True)
+    check_admin(request, gateway.config.auth.admin_key, required=True)
     diag = attach(gateway)
     q = request.query
     fmt = q.get("format", "json").lower()

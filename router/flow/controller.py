@@ -55,7 +55,7 @@ class FlowConfig:
     @classmethod
     def from_config(cls, config: Any) -> FlowConfig:
         return cls(
-            enabled=config.flow_control,
+            enabled=config.enabled,
             thresholds=Thresholds(
                 prefill_per_replica=config.flow_prefill_per_replica,
                 waiting_max=config.flow_waiting_max,

@@ -106,9 +106,9 @@ async def start_for(
     def endpoints(urls: Iterable[str]) -> dict[str, Endpoints]:
         return endpoints_from_config(
             urls,
-            config.kv_events_endpoints,
-            config.kv_events_port,
-            config.kv_events_replay_port,
+            config.kv_events.kv_events_endpoints,
+            config.kv_events.kv_events_port,
+            config.kv_events.kv_events_replay_port,
         )
 
     leases = None
@@ -119,15 +119,15 @@ async def start_for(
             sync.prefix,
             sync.gateway_id,
             lambda: sync.peers,
-            interval_s=config.sync_interval_s,
+            interval_s=config.fleet.sync_interval_s,
         )
     sub = KVEventSubscriber(
         index,
         endpoints,
         lambda: list(fleet.replicas),
         block_size,
-        topic=config.kv_events_topic,
-        timeout_s=config.kv_events_timeout_s,
+        topic=config.kv_events.kv_events_topic,
+        timeout_s=config.kv_events.kv_events_timeout_s,
         metrics=metrics,
         leases=leases,
         namespace=namespace,

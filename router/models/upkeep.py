@@ -163,7 +163,9 @@ class ModelUpkeep:
 
     # -- LoRA adapters at run time ------------------------------------------------------------
     def may_load(self, adapter: str) -> bool:
-        return self.config.lora_runtime_loading and adapter in self.registry.loadable_adapters
+        return (
+            self.config.registry.lora_runtime_loading and adapter in self.registry.loadable_adapters
+        )
 
     def plan_adapter(self, rr: RoutedRequest, replica: str) -> None:
         """Note in ``rr`` that ``replica``, chosen for it, must load its adapter first
@@ -191,7 +193,9 @@ class ModelUpkeep:
                 replica.url + "/v1/load_lora_adapter",
                 json=payload,
                 headers=dict(fleet.headers),
-                timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_floor_s),
+                timeout=aiohttp.ClientTimeout(
+                    total=self.config.forwarding.first_byte_timeout_floor_s
+                ),
             ) as resp:
                 text = await resp.text()
                 ok = resp.status == 200 or "already been loaded" in text

@@ -84,7 +84,7 @@ def family(name: str) -> tuple[Renderer, Renderer]:
 
 @lru_cache(maxsize=1)
 def request_path() -> RequestPath:
-    return Gateway(Config(replicas=[]), family("qwen3")[0]).path
+    return Gateway(Config(), family("qwen3")[0]).path
 
 
 _WORDS = st.sampled_from(

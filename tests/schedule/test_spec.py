@@ -24,7 +24,7 @@ def _config(tmp_path, data: dict | None, *flags: str):
         path = tmp_path / "router.yaml"
         path.write_text(yaml.safe_dump(data))
         argv = ["--config", str(path), *argv]
-    return load_config(parser.parse_args(argv), env={})
+    return load_config(parser.parse_args(argv), env={}).routing  # what scheduling reads
 
 
 def _decisions(config, n: int = 400) -> list[tuple]:

@@ -1,0 +1,156 @@
+"""The configuration's value checks: every problem at once, one sentence each."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING
+
+from router.config.errors import mask_url_credentials
+from router.schedule import ScheduleError, check_config
+
+if TYPE_CHECKING:
+    from router.config.sections import Config
+
+
+def problems(config: Config) -> list[str]:
+    """Every problem with this config's values, one sentence each."""
+    problems: list[str] = []
+    if not 0 < config.server.port < 65536:
+        problems.append(f"port must be 1..65535, got {config.server.port}")
+    if config.server.metrics_port is not None and not (
+        0 < config.server.metrics_port < 65536 and config.server.metrics_port != config.server.port
+    ):
+        problems.append(
+            f"metrics_port must be 1..65535 and differ from port, got {config.server.metrics_port}"
+        )
+    if config.routing.block_size is not None and config.routing.block_size <= 0:
+        problems.append(f"block_size must be positive, got {config.routing.block_size}")
+    from router.models.spec import ModelSpecError, alias_map, parse_models
+
+    try:
+        alias_map(parse_models(config.registry.models), config.registry.model_aliases)
+    except ModelSpecError as e:
+        problems.append(str(e))
+    if config.limits.body_timeout_s <= 0:
+        problems.append(f"body_timeout_s must be positive, got {config.limits.body_timeout_s}")
+    if config.limits.max_inflight_body_bytes < config.limits.max_body_bytes:
+        problems.append(
+            f"max_inflight_body_bytes ({config.limits.max_inflight_body_bytes}) must be at least "
+            f"max_body_bytes ({config.limits.max_body_bytes})"
+        )
+    if not 0 < config.limits.client_share <= 1:
+        problems.append(f"client_share must be in (0, 1], got {config.limits.client_share}")
+    for net in config.auth.admin_networks:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            problems.append(f"admin_networks: {net!r} is not a network (e.g. 127.0.0.0/8)")
+    for name in (
+        "max_json_depth",
+        "max_json_nodes",
+        "max_string_chars",
+        "max_messages",
+        "max_content_parts",
+        "max_tools",
+        "max_template_kwargs",
+        "max_connections",
+    ):
+        if config.get(name) < 1:
+            problems.append(f"{name} must be >= 1, got {config.get(name)}")
+    if config.server.workers < 1:
+        problems.append(f"workers must be >= 1, got {config.server.workers}")
+    if config.routing.load_bound < 1.0:
+        problems.append(f"load_bound must be >= 1.0, got {config.routing.load_bound}")
+    if config.server.log_level.lower() not in ("debug", "info", "warning", "error"):
+        problems.append(
+            f"log_level must be debug, info, warning or error, got {config.server.log_level!r}"
+        )
+    for url in config.discovery.replicas:
+        if not url.startswith(("http://", "https://")):
+            problems.append(f"replica URL must start with http:// or https://: {url!r}")
+    positive = (
+        "outlier_window_s",
+        "ejection_base_s",
+        "ejection_max_s",
+        "ejection_decay_s",
+        "connect_timeout_s",
+        "first_byte_timeout_s",
+        "first_byte_timeout_floor_s",
+        "idle_timeout_s",
+        "header_timeout_s",
+        "keepalive_timeout_s",
+        "unauthenticated_keepalive_s",
+        "max_tokenize_cpu_s",
+    )
+    for name in positive:
+        if not config.get(name) > 0:
+            problems.append(f"{name} must be positive, got {config.get(name)}")
+    if config.health.eject_after_failures < 1 or config.health.outlier_min_requests < 1:
+        problems.append("eject_after_failures and outlier_min_requests must be >= 1")
+    if not 0 < config.health.outlier_error_ratio < 1:
+        problems.append(
+            f"outlier_error_ratio must be between 0 and 1, got {config.health.outlier_error_ratio}"
+        )
+    if not 0 <= config.health.max_ejected_percent <= 100:
+        problems.append(
+            f"max_ejected_percent must be 0..100, got {config.health.max_ejected_percent}"
+        )
+    if config.forwarding.first_byte_timeout_factor < 1:
+        problems.append(
+            f"first_byte_timeout_factor must be >= 1, got {config.forwarding.first_byte_timeout_factor}"
+        )
+    if not 0 < config.kv_events.kv_events_port < 65536 or (
+        config.kv_events.kv_events_replay_port is not None
+        and not 0 < config.kv_events.kv_events_replay_port < 65536
+    ):
+        problems.append("kv_events_port and kv_events_replay_port must be 1..65535")
+    if config.fleet.redis_refresh_blocks < 0:
+        problems.append(
+            f"redis_refresh_blocks must be >= 0 (0: every block), got {config.fleet.redis_refresh_blocks}"
+        )
+    if config.kv_events.kv_events_timeout_s <= 0:
+        problems.append(
+            f"kv_events_timeout_s must be positive, got {config.kv_events.kv_events_timeout_s}"
+        )
+    for url, ep in config.kv_events.kv_events_endpoints.items():
+        given = ep.get("endpoint") if isinstance(ep, dict) else ep
+        if not isinstance(given, str) or not given.startswith(("tcp://", "ipc://")):
+            problems.append(
+                f"kv_events_endpoints[{url!r}] must be tcp://host:port (or a mapping with "
+                "endpoint and replay_endpoint)"
+            )
+    for url in config.discovery.replicas:
+        if url.rstrip("/").endswith("/v1"):
+            problems.append(
+                f"replica URL {url!r} ends in /v1: give vLLM's base URL "
+                f"({url.rstrip('/').removesuffix('/v1')}); the gateway adds the paths"
+            )
+    if config.fleet.redis_url and not config.fleet.redis_url.startswith(
+        ("redis://", "rediss://", "unix://")
+    ):
+        problems.append(
+            f"redis_url must start with redis://, rediss:// or unix://, got "
+            f"{mask_url_credentials(config.fleet.redis_url)!r} (e.g. redis://127.0.0.1:6379/0)"
+        )
+    if config.flow.flow_prefill_per_replica <= 0 or config.flow.flow_queue_timeout_s <= 0:
+        problems.append("flow_prefill_per_replica and flow_queue_timeout_s must be positive")
+    if (
+        min(
+            config.flow.flow_max_queue,
+            config.flow.flow_max_queue_per_tenant,
+            config.flow.flow_waiting_max,
+        )
+        < 1
+    ):
+        problems.append(
+            "flow_max_queue, flow_max_queue_per_tenant and flow_waiting_max must be >= 1"
+        )
+    if not 0 < config.flow.flow_kv_usage_max <= 1 or config.flow.flow_ttft_max_s < 0:
+        problems.append("flow_kv_usage_max must be in (0, 1] and flow_ttft_max_s >= 0")
+    if config.flow.flow_decode_token_cost < 0 or config.flow.flow_history_tokens < 0:
+        problems.append("flow_decode_token_cost and flow_history_tokens must be >= 0")
+    try:
+        check_config(config.routing)
+    except ScheduleError as e:
+        problems.append(str(e))
+    return problems
