@@ -47,8 +47,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from loadtest import benchkit, workloads
 from loadtest import metrics_scrape as ms
-from loadtest import workloads
 from loadtest.metrics_scrape import parse_prometheus
 from loadtest.procs import Proc, running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RunResult, run_workload
@@ -486,34 +486,31 @@ async def latency_probe(a: argparse.Namespace, redis_url: str) -> list[Latency]:
 
 
 def _pct(x: float | None) -> str:
-    return f"{100 * x:6.1f}%" if x is not None else "     -"
+    return benchkit.pct(x) if x is not None else "-"
 
 
 def _ms(x: float) -> str:
-    return f"{1000 * x:7.2f}" if x is not None and not math.isnan(x) else "      -"
+    return benchkit.ms(x, digits=2) if x is not None and not math.isnan(x) else "-"
 
 
 def print_rows(which: str, a: argparse.Namespace, rows: list[Row], title: str) -> None:
-    head = (
-        f"{'run':16} {'ok':>5} {'lost':>4} {'fleet hit':>9} {'ideal':>7} {'/ideal':>7} "
-        f"{'TTFT p50':>9} {'p99':>7} {'dec mean':>9} {'p50':>7} {'p99':>7} "
-        f"{'fallbk':>6} {'spill':>6} {'overpr':>6}"
+    table = benchkit.Text(
+        [("run", 16), ("ok", 6), ("lost", 5), ("fleet hit", 10), ("ideal", 8), ("/ideal", 8)]
+        + [("TTFT p50", 10), ("p99", 8), ("dec mean", 10), ("p50", 8), ("p99", 8)]
+        + [("fallbk", 7), ("spill", 7), ("overpr", 7)]
     )
     print(f"\n{title}")
-    print(head)
-    print("-" * len(head))
+    print(table.head())
     for r in rows:
         st = r.stats
         decisions = sum(st.reasons.values()) or 1
         hit, ideal = r.hit, r.ideal
         ratio = hit / ideal if hit is not None and ideal else None
-        print(
-            f"{r.label:16} {r.ok:5d} {r.lost:4d} {_pct(hit):>9} {_pct(ideal):>7} "
-            f"{_pct(ratio):>7} {_ms(r.ttft(50)):>9} {_ms(r.ttft(99))} "
-            f"{_ms(st.decision.mean):>9} {_ms(st.decision.quantile(0.5))} "
-            f"{_ms(st.decision.quantile(0.99))} {int(st.fallbacks):6d} "
-            f"{_pct(st.reasons.get('spill', 0) / decisions):>6} {_pct(r.overpredicted):>6}"
-        )
+        cells = [r.label, r.ok, r.lost, _pct(hit), _pct(ideal), _pct(ratio)]
+        cells += [_ms(r.ttft(50)), _ms(r.ttft(99)), _ms(st.decision.mean)]
+        cells += [_ms(st.decision.quantile(0.5)), _ms(st.decision.quantile(0.99))]
+        spill = _pct(st.reasons.get("spill", 0) / decisions)
+        print(table.row([*cells, int(st.fallbacks), spill, _pct(r.overpredicted)]))
 
 
 def report(which: str, a: argparse.Namespace, by_label: dict[str, list[Run]]) -> bool:
@@ -571,19 +568,16 @@ def print_latency(lat: list[Latency], n: int) -> None:
         f"\n== added latency of the Redis round trips: concurrency 1, {n} requests, instant "
         "replicas"
     )
-    head = (
-        f"{'gateway':14} {'client p50':>10} {'p99':>7} {'decision mean':>13} {'p50':>7} "
-        f"{'p99':>7} {'errors':>6}"
+    table = benchkit.Text(
+        [("gateway", 14), ("client p50", 11), ("p99", 8), ("decision mean", 14), ("p50", 8)]
+        + [("p99", 8), ("errors", 7)]
     )
-    print(head)
-    print("-" * len(head))
+    print(table.head())
     for x in lat:
         c = np.asarray(x.client_ms) if x.client_ms else np.asarray([math.nan])
-        print(
-            f"{x.label:14} {np.percentile(c, 50):10.2f} {np.percentile(c, 99):7.2f} "
-            f"{_ms(x.decision.mean):>13} {_ms(x.decision.quantile(0.5))} "
-            f"{_ms(x.decision.quantile(0.99))} {x.errors:6d}"
-        )
+        cells = [x.label, f"{np.percentile(c, 50):.2f}", f"{np.percentile(c, 99):.2f}"]
+        cells += [_ms(x.decision.mean), _ms(x.decision.quantile(0.5))]
+        print(table.row([*cells, _ms(x.decision.quantile(0.99)), x.errors]))
     if len(lat) == 2 and lat[0].client_ms and lat[1].client_ms:
         d50 = np.percentile(lat[1].client_ms, 50) - np.percentile(lat[0].client_ms, 50)
         dec = 1000 * (lat[1].decision.mean - lat[0].decision.mean)
@@ -622,10 +616,12 @@ async def run(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_fleet",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = benchkit.parser(
+        "loadtest.bench_fleet",
+        __doc__,
+        seed=0,
+        seed_help="first seed (workload and replicas)",
+        whole_doc=True,
     )
     p.add_argument("--workload", choices=("multi_tenant", "trace", "both"), default="multi_tenant")
     p.add_argument("--replicas", type=int, default=3)
@@ -646,7 +642,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=60.0, help="per request")
-    p.add_argument("--seed", type=int, default=0, help="first seed (workload and replicas)")
     p.add_argument(
         "--repeat",
         type=int,

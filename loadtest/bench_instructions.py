@@ -285,6 +285,8 @@ def _export(ref: str) -> Path:
 
 
 def _print(results: list[tuple[str, dict[str, Any]]], unit: str) -> None:
+    from loadtest import benchkit  # here: the child runs with older trees on its path
+
     labels = list(dict.fromkeys(s[0] for s in STEPS))
     n_req = results[0][1]["requests"]
     first = results[0][1]
@@ -292,28 +294,25 @@ def _print(results: list[tuple[str, dict[str, Any]]], unit: str) -> None:
         f"\n{n_req} requests measured: fresh-user-turn chats, ~{first['tokens']:,} tokens "
         f"({first['chars']:,}-byte bodies), system prompt repeated, new user turn"
     )
-    cols = "".join(f"{name[:22]:>24}" for name, _ in results)
-    print(f"{unit + ' per request':26}{cols}")
-    print("-" * (26 + 24 * len(results)))
+    table = benchkit.Text([(unit + " per request", 26)] + [(n[:22], 24) for n, _ in results])
+    print(table.head())
     totals = [0.0] * len(results)
     for label in labels:
-        row = []
+        row: list[object] = [label]
         for k, (_, r) in enumerate(results):
             v = r["steps"].get(label)
             if v is None and label not in r["found"]:
-                row.append(f"{'-':>24}")
+                row.append("-")
                 continue
             per = (v or 0.0) / n_req
             totals[k] += per
-            row.append(f"{per:>24,.0f}")
-        print(f"{label:26}{''.join(row)}")
-    print("-" * (26 + 24 * len(results)))
-    print(f"{'total':26}" + "".join(f"{t:>24,.0f}" for t in totals))
+            row.append(f"{per:,.0f}")
+        print(table.row(row))
+    print(table.head().splitlines()[1])
+    print(table.row(["total", *(f"{t:,.0f}" for t in totals)]))
     if len(results) > 1:
-        print(
-            f"{'x fewer than ' + results[0][0][:13]:26}"
-            + "".join(f"{totals[0] / t:>24.2f}" for t in totals)
-        )
+        fewer = [benchkit.ratio(totals[0], t, digits=2) for t in totals]
+        print(table.row(["x fewer than " + results[0][0][:13], *fewer]))
     for name, r in results:
         print(
             f"{name}: marker cost {r['marker']:,.0f} per interval taken off; "
@@ -322,6 +321,8 @@ def _print(results: list[tuple[str, dict[str, Any]]], unit: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Not loadtest.benchkit's parser: this file is also the child run against --baseline
+    # trees (PYTHONPATH), which may predate benchkit.
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -45,6 +45,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest import benchkit
 from loadtest.replica import SimConfig, SimReplica
 from router.app import start_gateway
 from router.bundled import tokenizer_dir
@@ -260,10 +261,12 @@ async def main_async(args: argparse.Namespace) -> None:
         f"{args.rejections} rejections",
         flush=True,
     )
-    print(
-        f"{'mode':<12}{'hit':>7}{'ideal':>7}{'/ideal':>7}{'mispred':>9}{'p50 s':>8}{'p99 s':>8}"
-        f"{'blk/req':>9}{'cmd/req':>9}{'rej':>5}  events written/applied"
+    table = benchkit.Text(
+        [("mode", 12), ("hit", 7), ("ideal", 7), ("/ideal", 7), ("mispred", 9), ("p50 s", 8)]
+        + [("p99 s", 8), ("blk/req", 9), ("cmd/req", 9), ("rej", 5)]
+        + [("  events written/applied", 0, "<")]
     )
+    print(table.head())
     for mode in args.modes:
         r = await run(mode, args, renderer)
         events = (
@@ -271,16 +274,14 @@ async def main_async(args: argparse.Namespace) -> None:
             if mode == "precise"
             else "-"
         )
-        print(
-            f"{mode:<12}{r['hit']:>7.3f}{r['ideal']:>7.3f}{r['hit'] / r['ideal']:>7.3f}"
-            f"{r['mispredicted']:>+9.3f}{r['ttft_p50_s']:>8.3f}{r['ttft_p99_s']:>8.3f}"
-            f"{r['blocks_per_req']:>9.1f}{r['cmds_per_req']:>9.1f}{r['rejected']:>5.0f}  {events}",
-            flush=True,
-        )
+        cells = [mode, f"{r['hit']:.3f}", f"{r['ideal']:.3f}", benchkit.ratio(r["hit"], r["ideal"])]
+        cells += [f"{r['mispredicted']:+.3f}", f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}"]
+        cells += [f"{r['blocks_per_req']:.1f}", f"{r['cmds_per_req']:.1f}", f"{r['rejected']:.0f}"]
+        print(table.row([*cells, f"  {events}"]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_kv_events", description=__doc__)
+    p = benchkit.parser("loadtest.bench_kv_events", __doc__, seed=1, whole_doc=True)
     p.add_argument("--gateways", type=int, default=3)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--blocks", type=int, default=400, help="KV blocks per replica")
@@ -309,7 +310,6 @@ def main(argv: list[str] | None = None) -> None:
         help="Redis lookup timeout (the default 10 ms trips often on a loaded 2-core box)",
     )
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--seed", type=int, default=1)
     asyncio.run(main_async(p.parse_args(argv)))
 
 

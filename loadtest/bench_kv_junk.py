@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq
 
+from loadtest import benchkit
 from loadtest.replica import SimConfig, SimReplica
 from router.app import start_gateway
 from router.bundled import tokenizer_dir
@@ -173,21 +174,23 @@ async def run(mix: str, args: argparse.Namespace, renderer: Renderer) -> dict[st
 
 async def main_async(args: argparse.Namespace) -> None:
     renderer = await asyncio.to_thread(Renderer.from_pretrained, str(tokenizer_dir()))
-    print(f"{'mix':<14}{'worst ms':>10}{'p99 ms':>9}{'vs benign':>11}{'probes':>8}  junk counted")
+    table = benchkit.Text(
+        [("mix", 14), ("worst ms", 10), ("p99 ms", 9), ("vs benign", 11), ("probes", 8)]
+        + [("  junk counted", 0, "<")]
+    )
+    print(table.head())
     base = None
     for mix in args.mixes:
         r = await run(mix, args, renderer)
         base = base if base is not None else r["worst_ms"]
-        print(
-            f"{mix:<14}{r['worst_ms']:>10.1f}{r['p99_ms']:>9.1f}{r['worst_ms'] - base:>+10.1f}"
-            f"{r['probes']:>8}  {r['errors']}",
-            flush=True,
-        )
+        cells = (mix, f"{r['worst_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['worst_ms'] - base:+.1f}")
+        print(table.row((*cells, r["probes"], f"  {r['errors']}")), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_kv_junk", description=__doc__)
-    p.add_argument("--seconds", type=float, default=3.0, help="probing time per mix")
+    p = benchkit.parser(
+        "loadtest.bench_kv_junk", __doc__, seconds=(3.0, "probing time per mix"), whole_doc=True
+    )
     p.add_argument("--messages", type=int, default=20_000, help="junk messages per attack")
     p.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
     asyncio.run(main_async(p.parse_args(argv)))

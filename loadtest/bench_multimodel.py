@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest import workloads
+from loadtest import benchkit, workloads
 from loadtest.metrics_scrape import parse_prometheus
 from loadtest.runner import GatewayTarget, RunResult, run_workload
 from loadtest.sim.config import SimConfig
@@ -115,25 +115,26 @@ async def run(a: argparse.Namespace) -> int:
             for rs in replicas.values():
                 for r in rs:
                     await r.stop()
-    print(
-        "| model | block size | requests ok | fleet hit rate | ideal | fleet / ideal | "
-        "predicted / reported cached tokens |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    cells = []
     for model, res in zip(plan, results, strict=True):
         pred = _sample(metrics, "prefix_router_model_predicted_cached_tokens_total", model)
         rep = _sample(metrics, "prefix_router_model_reported_cached_tokens_total", model)
         f, i = res.fleet_hit_rate, res.ideal_hit_rate
-        ratio = f / i if f is not None and i else None
-        print(
-            f"| {model} | {plan[model][1]} | {res.ok}/{res.sent} | {_pct(f)} | {_pct(i)} | "
-            f"{ratio:.3f} | {pred:,.0f} / {rep:,.0f} |"
-            if ratio is not None
-            else f"| {model} | {plan[model][1]} | {res.ok}/{res.sent} | {_pct(f)} | {_pct(i)} | - | "
-            f"{pred:,.0f} / {rep:,.0f} |"
+        cells.append(
+            (
+                model,
+                plan[model][1],
+                f"{res.ok}/{res.sent}",
+                benchkit.pct(f),
+                benchkit.pct(i),
+                benchkit.ratio(f, i),
+                f"{pred:,.0f} / {rep:,.0f}",
+            )
         )
         for w in res.warnings:
-            print(f"  warning ({model}): {w}", file=sys.stderr)
+            benchkit.progress(f"  warning ({model}): {w}")
+    headers = "model | block size | requests ok | fleet hit rate | ideal | fleet / ideal | "
+    print(benchkit.markdown(headers + "predicted / reported cached tokens", cells))
     print(f"drift watch flagged: {', '.join(drifting) or 'none'}")
     return 0
 
@@ -142,19 +143,14 @@ def _sample(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, m
     return sum(v for labels, v in metrics.get(name, []) if labels.get("model") == model)
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchkit.parser("loadtest.bench_multimodel", __doc__, seed=0)
     p.add_argument("--replicas", type=int, default=2, help="replicas per model")
     p.add_argument("--conversations", type=int, default=40, help="per model")
     p.add_argument("--rate", type=float, default=2.0, help="conversations per second, per model")
     p.add_argument("--concurrency", type=int, default=16, help="per model")
     p.add_argument("--max-seconds", type=float, default=60.0)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-tokenizer", default=None)
     p.add_argument(
         "--wrong-tokenizer",

@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from loadtest import benchkit
 from loadtest.bench_fleet import redis_server
 from loadtest.procs import Proc, free_port, running, start, start_gateway, wait_ready
 from router.schedule.registry import DEFAULT_POLICY
@@ -409,22 +410,19 @@ def print_table(results: list[Result], a: argparse.Namespace) -> None:
         f"{a.throughput_requests} requests; ~{a.prompt_tokens}-token chat prompts "
         f"({_shape(a)}), stream={a.stream}"
     )
-    head = (
-        f"{'target':28} {'p50 ms':>8} {'p99 ms':>8} {'+p50':>7} {'+p99':>7} "
-        f"{'req/s':>8} {'x direct':>8} {'cpu ms/req':>10} {'rss MB':>7} {'errors':>6}"
+    table = benchkit.Text(
+        [("target", 28), ("p50 ms", 9), ("p99 ms", 9), ("+p50", 8), ("+p99", 8), ("req/s", 9)]
+        + [("x direct", 9), ("cpu ms/req", 11), ("rss MB", 8), ("errors", 7)]
     )
-    print(head)
-    print("-" * len(head))
+    print(table.head())
     for r in results:
         add50 = r.p(50) - direct.p(50)
         add99 = r.p(99) - direct.p(99)
         cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
         rss = f"{r.rss_mb:.0f}" if r.rss_mb is not None else "-"
-        print(
-            f"{r.name:28} {r.p(50):8.3f} {r.p(99):8.3f} {add50:+7.3f} {add99:+7.3f} "
-            f"{r.throughput_rps:8.0f} {r.throughput_rps / direct.throughput_rps:8.2f} "
-            f"{cpu:>10} {rss:>7} {r.errors:6d}"
-        )
+        cells = [r.name, f"{r.p(50):.3f}", f"{r.p(99):.3f}", f"{add50:+.3f}", f"{add99:+.3f}"]
+        x_direct = benchkit.ratio(r.throughput_rps, direct.throughput_rps, digits=2)
+        print(table.row([*cells, f"{r.throughput_rps:.0f}", x_direct, cpu, rss, r.errors]))
     if a.cold:
         ours = next(r for r in results if r.name.startswith("prefix-router"))
         per_k = (ours.p(50) - direct.p(50)) / (a.prompt_tokens / 1000)
@@ -446,9 +444,7 @@ def _shape(a: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = benchkit.parser("loadtest.bench_overhead", __doc__, seed=0, whole_doc=True)
     p.add_argument("--requests", type=int, default=400, help="requests at concurrency 1")
     p.add_argument("--throughput-requests", type=int, default=3000)
     p.add_argument("--concurrency", type=int, default=64)
@@ -494,7 +490,6 @@ def main(argv: list[str] | None = None) -> int:
         help="then send N distinct 256-token prompts and report the gateway's RSS "
         "and index size (e.g. 100000)",
     )
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     return asyncio.run(run(a))
 

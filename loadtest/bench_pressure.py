@@ -12,13 +12,13 @@ p99 <= 0.3x sticky's).
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from loadtest import benchkit
 from loadtest.pressure import PressureParams, conversations
 from loadtest.pressure_sim import FleetParams, RunResult, Sim
 from router.schedule import policy_names
@@ -78,19 +78,36 @@ def _p99(r: RunResult) -> float:
 
 def table(rows: Sequence[Row]) -> str:
     base = next((r for r in rows if r.policy == BASELINE), None)
-    head = (
-        f"{'policy':<16}{'hit/ideal':>10}{'hit':>7}{'p50 s':>8}{'p90 s':>8}{'p99 s':>8}"
-        f"{'balance':>9}{'spills':>8}{'evicted':>9}{'hit/sticky':>11}{'p99/sticky':>11}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        rh = f"{r.hit_over_ideal / base.hit_over_ideal:.3f}" if base else "-"
-        rp = f"{r.p99 / base.p99:.3f}" if base else "-"
-        lines.append(
-            f"{r.policy:<16}{r.hit_over_ideal:>9.1%}{r.hit_rate:>7.1%}{r.p50:>8.2f}{r.p90:>8.2f}"
-            f"{r.p99:>8.2f}{r.balance:>9.2f}{r.spills:>8}{r.evictions:>9}{rh:>11}{rp:>11}"
+    columns = [
+        ("policy", 16),
+        ("hit/ideal", 10),
+        ("hit", 7),
+        ("p50 s", 8),
+        ("p90 s", 8),
+        ("p99 s", 8),
+        ("balance", 9),
+        ("spills", 8),
+        ("evicted", 9),
+        ("hit/sticky", 11),
+        ("p99/sticky", 11),
+    ]
+    cells = [
+        (
+            r.policy,
+            f"{r.hit_over_ideal:.1%}",
+            f"{r.hit_rate:.1%}",
+            f"{r.p50:.2f}",
+            f"{r.p90:.2f}",
+            f"{r.p99:.2f}",
+            f"{r.balance:.2f}",
+            r.spills,
+            r.evictions,
+            benchkit.ratio(r.hit_over_ideal, base.hit_over_ideal) if base else "-",
+            benchkit.ratio(r.p99, base.p99) if base else "-",
         )
-    lines.append("per seed (hit/ideal, p99 s):")
+        for r in rows
+    ]
+    lines = [benchkit.text(columns, cells), "per seed (hit/ideal, p99 s):"]
     for r in rows:
         seeds = "  ".join(f"{h:.1%} {p:.2f}" for h, p in r.per_seed)
         lines.append(f"  {r.policy:<14}{seeds}")
@@ -109,13 +126,9 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_pressure",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--seeds", type=int, default=3, help="N seeds, pooled (default 3)")
-    ap.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    ap = benchkit.parser("loadtest.bench_pressure", __doc__, whole_doc=True)
+    ap.add_argument("--seeds", type=int, default=3, help="N seeds, pooled")
+    ap.add_argument("--first-seed", type=int, default=0, help="the first seed")
     ap.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
@@ -132,20 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--tpot", type=float, default=0.02, help="seconds per output token")
     ap.add_argument(
-        "--gateways", type=int, default=1, help="gateways sharing the index (fleet mode), 1"
+        "--gateways", type=int, default=1, help="gateways sharing the index (fleet mode)"
     )
-    ap.add_argument(
-        "--sync-interval", type=float, default=0.5, help="their load sync interval, s (0.5)"
-    )
+    ap.add_argument("--sync-interval", type=float, default=0.5, help="their load sync interval, s")
     ap.add_argument("--tenants", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=480)
     ap.add_argument("--rate", type=float, default=4.0, help="conversations/s")
     ap.add_argument("--skew", type=float, default=1.25, help="Zipf exponent of tenants")
     a = ap.parse_args(argv)
-    policies = [p for p in a.policies.split(",") if p]
-    unknown = [p for p in policies if p not in policy_names()]
-    if unknown:
-        ap.error(f"unknown policy {unknown[0]!r}; choose from {', '.join(policy_names())}")
+    policies = benchkit.subset(a.policies, policy_names(), "policy")
     wp = PressureParams(
         tenants=a.tenants, conversations=a.conversations, rate=a.rate, tenant_skew=a.skew
     )

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from loadtest import benchkit
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, make_client
@@ -99,12 +100,11 @@ async def run(args: argparse.Namespace, url: str) -> None:
         f"{args.prompts} prompts pre-filled (~{per_replica} blocks per replica), "
         f"{args.iterations} calls per cell; latency in us"
     )
-    header = (
-        f"{'index':<26}{'conc':>5}  {'match p50':>10}{'p99':>9}   {'record p50':>10}{'p99':>9}"
-        f"   {'local answers':>13}"
+    table = benchkit.Text(
+        [("index", 26), ("conc", 5), ("match p50", 12), ("p99", 9), ("record p50", 13)]
+        + [("p99", 9), ("local answers", 16)]
     )
-    print(header)
-    print("-" * len(header))
+    print(table.head())
     for conc in args.concurrency:
         for name, index in indexes.items():
             for _ in range(2):  # warm-up round (scripts, connections), then measure
@@ -122,10 +122,8 @@ async def run(args: argparse.Namespace, url: str) -> None:
                     ),
                 )
             local = "-" if fallbacks is None else str(getattr(index, "fallbacks", 0) - fallbacks)
-            print(
-                f"{name:<26}{conc:>5}  {_pct(m, 0.5) * 1e6:>10.0f}{_pct(m, 0.99) * 1e6:>9.0f}"
-                f"   {_pct(r, 0.5) * 1e6:>10.0f}{_pct(r, 0.99) * 1e6:>9.0f}   {local:>13}"
-            )
+            us = [f"{_pct(x, q) * 1e6:.0f}" for x in (m, r) for q in (0.5, 0.99)]
+            print(table.row([name, conc, *us, local]))
     print("\nblocks written to Redis per record (whole run, pre-fill included)")
     for name in ("redis-binary", "redis-bounded"):
         ix = indexes[name]
@@ -156,7 +154,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = benchkit.parser("loadtest.bench_redis_index", __doc__, seed=0)
     ap.add_argument("--redis-url", help="use this Redis (default: spawn redis-server)")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=250)
@@ -166,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--timeout-ms", type=float, default=10.0)
     ap.add_argument("--refresh-blocks", type=int, default=64, help="redis-bounded's budget")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with redis_url(args.redis_url) as url:
         try:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtest import benchkit
 from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RunResult, default_renderer, run_workload
@@ -281,29 +281,30 @@ async def run_scenario(
 
 
 def pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f} %"
+    return benchkit.pct(v, sep=" ")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = [
-        "| policy | fleet hit rate | ideal, no salts | ideal under the policy | "
-        "TTFT p50 | TTFT p99 | ok / sent |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        out.append(
-            f"| `{r['scenario']}` | {pct(r['fleet_hit_rate'])} | {pct(r['ideal_no_salts'])} | "
-            f"{pct(r['ideal_under_policy'])} | {r['ttft_p50_ms']:.0f} ms | "
-            f"{r['ttft_p99_ms']:.0f} ms | {r['ok']} / {r['sent']} |"
-        )
-    return "\n".join(out)
+    return benchkit.markdown(
+        "policy | fleet hit rate | ideal, no salts | ideal under the policy | TTFT p50 | "
+        "TTFT p99 | ok / sent",
+        (
+            (
+                f"`{r['scenario']}`",
+                pct(r["fleet_hit_rate"]),
+                pct(r["ideal_no_salts"]),
+                pct(r["ideal_under_policy"]),
+                f"{r['ttft_p50_ms']:.0f} ms",
+                f"{r['ttft_p99_ms']:.0f} ms",
+                f"{r['ok']} / {r['sent']}",
+            )
+            for r in rows
+        ),
+    )
 
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
-    scenarios = args.scenarios.split(",") if args.scenarios else list(SCENARIOS)
-    for s in scenarios:
-        if s not in SCENARIOS:
-            raise SystemExit(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    scenarios = benchkit.subset(args.scenarios, list(SCENARIOS), "scenario")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-tenancy-") as tmp, running() as procs:
         sim = start_replicas(
@@ -317,13 +318,11 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
         for scenario in scenarios:
             row = await run_scenario(scenario, sim.urls, Path(tmp), args)
             rows.append(row)
-            print(
+            benchkit.progress(
                 f"{scenario}: fleet {pct(row['fleet_hit_rate'])}, ideal "
                 f"{pct(row['ideal_no_salts'])} / under policy {pct(row['ideal_under_policy'])}, "
                 f"TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms, "
-                f"{row['ok']}/{row['sent']} ok {row['errors'] or ''}",
-                file=sys.stderr,
-                flush=True,
+                f"{row['ok']}/{row['sent']} ok {row['errors'] or ''}"
             )
     print(f"Workload: {rows[0]['workload']}.")
     print(
@@ -336,10 +335,8 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_tenancy",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = benchkit.parser(
+        "loadtest.bench_tenancy", __doc__, seed=0, quick="20 conversations (a smoke run)", json=True
     )
     p.add_argument("--replicas", type=int, default=4, help="simulated replicas")
     p.add_argument("--tenants", type=int, default=8)
@@ -351,16 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="KV blocks per replica")
     p.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scenarios", help=f"comma-separated subset of {', '.join(SCENARIOS)}")
-    p.add_argument("--quick", action="store_true", help="20 conversations (a smoke run)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    benchkit.add_subset(p, "--scenarios", list(SCENARIOS))
     args = p.parse_args(argv)
     if args.quick:
         args.conversations, args.rate = 20, 5.0
     rows = asyncio.run(amain(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    benchkit.write_json(args.json, rows)
     return 1 if any(r["ok"] != r["sent"] for r in rows) else 0
 
 
