@@ -8,11 +8,13 @@ traffic in seconds. Each replica is a compact vLLM model:
   its compute shares the replica with prefill (vLLM batches both in one step): each output
   token costs ``decode_cost_tokens`` prefill tokens of the replica's time, taken from the next
   prefill unless the replica sat idle long enough to absorb it;
-- a block pool of ``num_blocks`` blocks of ``block_size`` tokens with vLLM's rules: only full
-  blocks are cached, keyed by ``router.blocks`` chained hashes; a hit is the longest cached run
-  from block 0, capped at ``num_tokens - 1``; blocks of running requests are pinned; freed
-  blocks join an LRU free queue tail-first and allocation evicts from its head; a request
-  whose blocks do not fit waits at the head of the FIFO;
+- the simulated replicas' block pool (``loadtest.sim.kvcache.BlockPool``: vLLM's rules) of
+  ``num_blocks`` blocks of ``block_size`` tokens, keyed by ``router.blocks`` chained hashes: only
+  full blocks are cached; a hit is the longest cached run from block 0, capped at
+  ``num_tokens - 1``; blocks of running requests are held; freed blocks join an LRU free queue
+  tail-first and allocation evicts from its head; a request's blocks (prompt and output) are
+  allocated when its prefill starts, and one whose blocks do not fit waits at the head of the
+  FIFO;
 - on finish the full blocks of prompt + output (minus the last sampled token) are cached.
 
 The router side is what the gateway does: a ``MemoryIndex`` (capacity = the pool) fed with the
@@ -26,13 +28,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.pressure import Conversation
+from loadtest.sim.kvcache import Block, BlockPool
 from router.blocks import block_hashes, cacheable_blocks
 from router.index.memory import MemoryIndex
 from router.request import RoutedRequest
@@ -78,83 +80,53 @@ class Req:
     hit_blocks: int = 0
     t_first: float = 0.0
     t_end: float = 0.0
-    refs: list[int] = field(default_factory=list)  # cached hashes it pins
-    private: int = 0  # blocks it holds that carry no hash
+    blocks: list[Block] = field(default_factory=list)  # held from admission to the end
+    computed: int = 0  # of them, the leading ones holding a hash
     gateway: int = 0  # the gateway that placed it
 
 
 class Pool:
-    """Block accounting with vLLM's caching and eviction rules (see the module docstring)."""
+    """A replica's blocks: ``loadtest.sim.kvcache.BlockPool`` (vLLM's caching and eviction
+    rules, the simulated replicas' own) keyed by ``router.blocks`` hashes, with a request's
+    blocks allocated at admission for its prompt and output."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.blank = num_blocks  # free blocks with no hash
-        self.free: OrderedDict[int, None] = OrderedDict()  # cached, unpinned, LRU first
-        self.pinned: dict[int, int] = {}  # cached hash -> requests pinning it
-        self.evictions = 0
+        self.blocks = BlockPool(num_blocks)
 
-    def cached(self, h: int) -> bool:
-        return h in self.pinned or h in self.free
+    @property
+    def evictions(self) -> int:
+        return self.blocks.evictions
 
     def hit(self, hashes: Sequence[int], limit: int) -> int:
-        n = 0
-        for h in hashes[:limit]:
-            if not self.cached(h):
-                break
-            n += 1
-        return n
+        return len(self.blocks.lookup(hashes, limit))  # type: ignore[arg-type]
 
     def admit(self, r: Req, block_size: int) -> bool:
-        """Pin the hit and allocate the rest (prompt + output); False if it does not fit."""
+        """Take the hit and allocate the rest (prompt + output); False if it does not fit."""
         limit = cacheable_blocks(len(r.prompt), block_size)
-        hit = self.hit(r.hashes, limit)
-        total = -(-(len(r.prompt) + len(r.output)) // block_size)
-        need = total - hit
-        from_free = sum(1 for h in r.hashes[:hit] if h in self.free)
-        if self.blank + len(self.free) - from_free < need:
+        hit = self.blocks.lookup(r.hashes, limit)  # type: ignore[arg-type]
+        need = -(-(len(r.prompt) + len(r.output)) // block_size) - len(hit)
+        from_free = sum(1 for b in hit if b.ref_cnt == 0)
+        if self.blocks.num_free - from_free < need:
             return False
-        for h in r.hashes[:hit]:
-            self._pin(h)
-        r.refs = list(r.hashes[:hit])
-        take = min(need, self.blank)
-        self.blank -= take
-        for _ in range(need - take):
-            self.free.popitem(last=False)
-            self.evictions += 1
-        r.private = need
-        r.hit_blocks = hit
+        self.blocks.touch(hit)
+        r.blocks = hit + self.blocks.allocate(need)
+        r.hit_blocks = r.computed = len(hit)
         return True
 
-    def _pin(self, h: int) -> None:
-        if h in self.free:
-            del self.free[h]
-            self.pinned[h] = 1
-        else:
-            self.pinned[h] = self.pinned.get(h, 0) + 1
-
     def cache(self, r: Req, hashes: Sequence[int]) -> None:
-        """``r``'s private blocks now hold ``hashes`` (computed)."""
+        """``r``'s next blocks are computed and hold ``hashes``."""
         for h in hashes:
-            if r.private == 0:
+            if r.computed == len(r.blocks):
                 return
-            if self.cached(h):
-                continue  # someone computed it too: this copy stays private
-            self.pinned[h] = 1
-            r.refs.append(h)
-            r.private -= 1
+            self.blocks.cache(r.blocks[r.computed], h)  # type: ignore[arg-type]
+            r.computed += 1
 
     def release(self, r: Req) -> None:
-        for h in reversed(r.refs):  # tail first: block 0 ends most recent
-            n = self.pinned[h] - 1
-            if n:
-                self.pinned[h] = n
-            else:
-                del self.pinned[h]
-                self.free[h] = None
-        self.blank += r.private
-        r.refs, r.private = [], 0
+        self.blocks.free(reversed(r.blocks))  # tail first: block 0 ends most recent
+        r.blocks = []
 
-    def used(self) -> int:
-        return len(self.pinned)
+    def usage(self) -> float:
+        return self.blocks.usage()
 
 
 class SimReplica:
@@ -191,7 +163,7 @@ class SimReplica:
             ttft_s=self.observed[gw].get(),
             waiting=len(self.queue),
             running=self.running,
-            kv_usage=self.pool.used() / self.fp.num_blocks,
+            kv_usage=self.pool.usage(),
         )
 
 
