@@ -34,7 +34,7 @@ from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, Route, fallback
 from router.models.upkeep import ModelUpkeep
 from router.parse import parse_body, parse_json_object
-from router.prompt import NeedsThread, Renderer, segments
+from router.prompt import NeedsThread, Renderer, scope
 from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest, Tail
 from router.schedule import Decision, Pipeline, from_config
@@ -341,7 +341,7 @@ class RequestPath:
             return fallback.prompt_ids(admitted.chat, admitted.body)
         # The segment cache is scoped like the replicas' prefix caches: by the salt sent;
         # new text is encoded within a CPU budget, and stops once it cannot fit the context.
-        budget = segments.budget(
+        budget = scope.budget(
             self.config.limits.max_tokenize_cpu_s, self._max_prompt_tokens(admitted)
         )
         with renderer.cache_scope(admitted.salt.salt), budget:

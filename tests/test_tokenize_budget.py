@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from router.errors import APIError
-from router.prompt import segments
+from router.prompt import chunks, scope
 from tests.helpers import chat_body, post
 
 # Words with separators inside them: newlines, tabs, CJK punctuation, a combining accent.
@@ -37,13 +37,13 @@ def text(rng: random.Random, chars: int) -> str:
 @pytest.mark.parametrize("seed", range(6))
 def test_budgeted_encoding_is_exactly_the_whole_text_encoding(renderer, monkeypatch, seed):
     """Small pieces, so the text holds hundreds of cuts of every kind."""
-    monkeypatch.setattr(segments, "CHUNK_CHARS", 64 + 37 * seed)
+    monkeypatch.setattr(chunks, "CHUNK_CHARS", 64 + 37 * seed)
     tok = renderer._segments
     assert tok._chunkable  # the bundled Qwen3 tokenizer is the kind the cuts were proven for
     rng = random.Random(seed)
     sample = text(rng, 20_000) + "x" * 500 + " " * 300 + text(rng, 3_000)  # and long runs
     whole = list(tok._backend.encode(sample, add_special_tokens=False).ids)
-    with segments.budget(60.0):
+    with scope.budget(60.0):
         assert list(tok._encode_split(sample, use_cache=False)) == whole
 
 
@@ -96,7 +96,7 @@ def test_no_budget_outside_the_block_and_cached_text_costs_nothing(renderer):
     tok = renderer._segments
     long_text = text(random.Random(3), 200_000)
     tok.encode(long_text, add_special_tokens=False)  # cached now (one segment)
-    with segments.budget(1e-9):  # spent at once: only new text would be refused
+    with scope.budget(1e-9):  # spent at once: only new text would be refused
         assert len(tok.encode(long_text, add_special_tokens=False)) > 0
         with pytest.raises(APIError) as refused:
             tok.encode(long_text + " more", add_special_tokens=False)

@@ -26,7 +26,8 @@ from router.prompt.fields import TokenIds
 from router.prompt.jinja import ContentFormat, detect_content_format
 from router.prompt.limits import DEFAULT_MAX_PROMPT_CHARS
 from router.prompt.renderer import Renderer
-from router.prompt.segments import DEFAULT_SEGMENT_CACHE_TOKENS, NeedsThread, cache_scope_seed
+from router.prompt.scope import NeedsThread, cache_scope_seed
+from router.prompt.segments import DEFAULT_SEGMENT_CACHE_TOKENS
 from router.salt import validate_cache_salt
 
 __all__ = [

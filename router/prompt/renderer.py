@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from router.prompt import lazy, segments
+from router.prompt import lazy, scope
 from router.prompt.completion import CompletionPrompts, reused_prompt_token_ids
 from router.prompt.fast_encode import FAST, FAST_MAX_CHARS
 from router.prompt.fields import TokenIds, as_list, plain, text_size
@@ -204,7 +204,7 @@ class Renderer:
         states = self._prefix
         if states is None or not self._segments.split_path(norm["add_special_tokens"]):
             return None
-        keys = message_keys(norm, segments.current_scope())
+        keys = message_keys(norm, scope.current_scope())
         return keys, states.find(keys, text)
 
     def _prefix_ids(
@@ -345,14 +345,14 @@ class Renderer:
         """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
         than ``max_uncached_chars`` of uncached text, so an event loop can tokenize a cached
         prompt in place (microseconds) and hand only real work to a thread."""
-        with segments.inline(max_uncached_chars):
+        with scope.inline(max_uncached_chars):
             yield
 
     @contextlib.contextmanager
     def cache_scope(self, cache_salt: str | None) -> Iterator[None]:
         """Within this block, segment-cache entries are those of the ``cache_salt`` scope:
         text cached under another salt is a miss here, exactly as on a replica."""
-        with segments.cache_scope(cache_salt):
+        with scope.cache_scope(cache_salt):
             yield
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

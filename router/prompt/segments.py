@@ -3,32 +3,28 @@
 Hugging Face tokenizers cut the text at added tokens (``<|im_start|>``, ...) before
 normalising and running BPE, so a rendered prompt's ids are the concatenation of each
 segment's ids. The ids of each segment are kept in an LRU keyed by the XXH3-128 of its UTF-8
-bytes, seeded by the request's cache-salt scope (``cache_scope``), and bounded by the number
-of cached tokens, so a repeated 3,000-token system prompt costs a hash and a dict lookup. The
+bytes, seeded by the request's cache-salt scope (``router.prompt.scope``), and bounded by the
+number of cached tokens, so a repeated 3,000-token system prompt costs a hash and a dict lookup. The
 split is only used when it is provably equivalent for the tokenizer (see ``_split_safe``);
-otherwise the whole text is encoded.
+otherwise the whole text is encoded. New text is encoded through ``router.prompt.chunks``
+within the request's budget.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 import logging
-import math
 import re
 import threading
-import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from router.errors import APIError
-from router.prompt.fast_encode import FAST, FAST_MAX_CHARS, REFERENCE, PlainEncoder, plain_encoder
+from router.prompt import chunks, scope
+from router.prompt.fast_encode import FAST, REFERENCE, PlainEncoder, plain_encoder
 from router.prompt.fields import TokenIds, error
 
 log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it used to be
@@ -36,194 +32,6 @@ log = logging.getLogger(__name__)  # a child of "router.prompt", the logger it u
 DEFAULT_SEGMENT_CACHE_TOKENS = 2_000_000
 """Token budget of the segment cache (ids are stored as 4-byte ints: ~8 MB plus per-entry
 overhead)."""
-
-
-class NeedsThread(Exception):
-    """Raised inside ``Renderer.inline(...)`` when the prompt has more uncached text than the
-    inline budget: the caller should tokenize it in a worker thread instead."""
-
-
-# Per-thread (per-context) budget of uncached characters to BPE-encode inline; None = any.
-_INLINE_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "prefix_router_inline_budget", default=None
-)
-# Seed of the segment-cache keys in this context: the request's cache-salt scope (0 = the
-# unsalted scope). A hit is fast and a miss is slow, so a cache shared across scopes would
-# let one tenant time whether another recently sent a text; keys seeded by the scope keep
-# the scopes as far apart as the replicas' salted prefix caches are.
-_CACHE_SCOPE: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "prefix_router_cache_scope", default=0
-)
-
-
-def current_scope() -> int:
-    """The segment-cache seed of the scope in force (``cache_scope``)."""
-    return _CACHE_SCOPE.get()
-
-
-def cache_scope_seed(cache_salt: str | None) -> int:
-    """The segment-cache seed of requests sent with ``cache_salt`` (0 when unsalted)."""
-    if not cache_salt:
-        return 0
-    return xxhash.xxh3_64_intdigest(cache_salt.encode("utf-8", "surrogatepass")) or 1
-
-
-_SEARCH_WINDOW = 1 << 16
-
-
-def _search_cut(text: str, pos: int) -> re.Match[str] | None:
-    """``_SAFE_CUT.search(text, pos)``, a window of characters at a time: one regex call over
-    megabytes with no cut (3.9M spaces) held the GIL for 70-150 ms, and the event loop with it;
-    between windows it can change hands. A window reaches one character past its end, so the
-    lookahead of a cut at its last position is seen."""
-    n = len(text)
-    while pos < n:
-        m = _SAFE_CUT.search(text, pos, min(n, pos + _SEARCH_WINDOW + 1))
-        if m is not None:
-            return m
-        pos += _SEARCH_WINDOW
-    return None
-
-
-def fast_pieces(text: str, limit: int = FAST_MAX_CHARS) -> list[str]:
-    """``text`` cut at ``_SAFE_CUT`` (exact for a chunkable tokenizer) into pieces of at most
-    ``limit`` characters where the last ``limit // 16`` characters before the limit hold a
-    cut; a piece is longer only where they do not (up to the next cut, or the end)."""
-    out: list[str] = []
-    pos, n = 0, len(text)
-    while n - pos > limit:
-        m = _SAFE_CUT.search(text, pos + limit - limit // 16, pos + limit)
-        if m is None:
-            m = _search_cut(text, pos + limit)
-            if m is None:
-                break
-        out.append(text[pos : m.end()])
-        pos = m.end()
-    out.append(text[pos:])
-    return out
-
-
-def _cut_long(encode: PlainEncoder) -> PlainEncoder:
-    """``encode`` (fastokens) with segments over FAST_MAX_CHARS cut into pieces it encodes
-    itself (``fast_pieces``), instead of whole by Hugging Face's BPE, ~50x slower. The GIL
-    can change hands between pieces."""
-
-    def encode_cut(segments: list[str]) -> list[Sequence[int]]:
-        if all(len(s) <= FAST_MAX_CHARS for s in segments):
-            return encode(segments)
-        out: list[Sequence[int]] = []
-        for s in segments:
-            ids: list[int] = []
-            for piece in fast_pieces(s):
-                ids += encode([piece])[0]
-            out.append(ids)
-        return out
-
-    return encode_cut
-
-
-# -- the per-request tokenize budget ---------------------------------------------------------
-# New text is BPE-encoded in pieces of about CHUNK_CHARS, the budget checked between them, so
-# one request cannot hold a tokenizer thread for seconds. Pieces are cut where the whole-text
-# tokenization provably has a token boundary too (``_SAFE_CUT``), so the ids are exact.
-CHUNK_CHARS = 32_768
-# Qwen2/Qwen3's pre-tokenizer (Split on this regex, Isolated; then ByteLevel without its own
-# regex; NFC or no normalizer). For it, just before a space that follows a non-space
-# character is always a pre-token boundary: no alternative of the regex runs from a
-# non-space character into a following space (words are letters, numbers single
-# characters, symbol runs stop at whitespace), the regex looks only ahead, and a space
-# composes with nothing under NFC. Likewise before CJK punctuation after a CJK ideograph.
-_CHUNKABLE_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SAFE_CUT = re.compile(r"\S(?= )|[\u4e00-\u9fff](?=[\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f])")
-
-
-def _whole_cost(rate: float, chars: int) -> float:
-    """CPU seconds to BPE-encode ``chars`` characters with no cut whole, from ``rate`` (CPU
-    per character encoding CHUNK_CHARS pieces of them). Whole is dearer per character the
-    longer the run (BPE merges over one pre-token: measured with fastokens on runs of
-    spaces, letters, newlines, symbols, digits and CJK, 2M characters cost 1.6-1.9x their
-    32k pieces): this over-estimates that growth a little, so a run that is refused would
-    not have fit, and one that is encoded fits."""
-    return rate * chars * (1.0 + 0.15 * math.log2(max(1.0, chars / CHUNK_CHARS)))
-
-
-@dataclass(slots=True)
-class _Budget:
-    cpu_s: float  # thread CPU seconds for new text, from the block's start
-    deadline: float  # time.thread_time() at which it is spent
-    max_tokens: int | None  # a prompt longer than this is refused (the model's context)
-    tokens: int = 0  # prompt tokens found so far in this block
-
-
-_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
-    "prefix_router_tokenize_budget", default=None
-)
-
-
-def over_budget(cpu_s: float, chars: int) -> APIError:
-    return APIError(
-        413,
-        f"the prompt's new text ({chars} characters) would take more than {cpu_s:g} s of "
-        "CPU to tokenize; send a shorter prompt (or, for the gateway's operator: raise "
-        "max_tokenize_cpu_s)",
-        param="messages",
-        code="prompt_too_expensive",
-    )
-
-
-def over_context(max_tokens: int, at_least: int) -> APIError:
-    return APIError(
-        400,
-        f"This model's maximum context length is {max_tokens} tokens for the prompt. However, "
-        f"your prompt has more than {at_least} tokens. Please reduce the length of the "
-        "messages.",
-        param="messages",
-        code="context_length_exceeded",
-    )
-
-
-@contextlib.contextmanager
-def budget(cpu_s: float | None, max_tokens: int | None = None) -> Iterator[None]:
-    """Within this block (one request's render + tokenize, in one thread), BPE-encoding new
-    text stops with a 413 once the thread has used ``cpu_s`` of CPU since the block began,
-    and with a 400 once the prompt has more than ``max_tokens`` tokens (it could not fit;
-    None: no token bound). Cached segments cost nothing against it."""
-    state = (
-        _Budget(cpu_s, time.thread_time() + cpu_s, max_tokens)
-        if cpu_s is not None and cpu_s > 0
-        else None
-    )
-    token = _BUDGET.set(state)
-    try:
-        yield
-    finally:
-        _BUDGET.reset(token)
-
-
-@contextlib.contextmanager
-def inline(max_uncached_chars: int) -> Iterator[None]:
-    """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
-    than ``max_uncached_chars`` of uncached text, so an event loop can tokenize a cached
-    prompt in place (microseconds) and hand only real work to a thread."""
-    token = _INLINE_BUDGET.set(max_uncached_chars)
-    try:
-        yield
-    finally:
-        _INLINE_BUDGET.reset(token)
-
-
-@contextlib.contextmanager
-def cache_scope(cache_salt: str | None) -> Iterator[None]:
-    """Within this block, segment-cache entries are those of the ``cache_salt`` scope:
-    text cached under another salt is a miss here, exactly as on a replica."""
-    token = _CACHE_SCOPE.set(cache_scope_seed(cache_salt))
-    try:
-        yield
-    finally:
-        _CACHE_SCOPE.reset(token)
 
 
 class SegmentTokenizer:
@@ -245,7 +53,7 @@ class SegmentTokenizer:
         self._added_text: dict[int, str] = {}
         self._split_re: re.Pattern[str] | None = None
         self._special_adds_nothing = False
-        self._chunkable = False  # new text can be cut at _SAFE_CUT (see _chunk_safe)
+        self._chunkable = False  # new text can be cut at chunks.SAFE_CUT (see _chunk_safe)
         self.requested = segment_cache
         # The one encode hook: new segments' BPE (router/prompt/fast_encode.py).
         self._encode_plain: PlainEncoder | None = None
@@ -329,11 +137,11 @@ class SegmentTokenizer:
             return "segment tokenization differs from whole-text tokenization"
         self._chunkable = self._chunk_safe(spec)
         if self._chunkable and self.encoder == FAST and self._encode_plain is not None:
-            self._encode_plain = _cut_long(self._encode_plain)
+            self._encode_plain = chunks.cut_long(self._encode_plain)
         return None
 
     def _chunk_safe(self, spec: dict[str, Any]) -> bool:
-        """Whether ``_SAFE_CUT`` is a token boundary for this tokenizer: its normalizer and
+        """Whether ``chunks.SAFE_CUT`` is a token boundary for this tokenizer: its normalizer and
         pre-tokenizer are those the cut was proven for, and a self-check agrees."""
         normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
         if normalizer not in (None, {"type": "NFC"}):
@@ -344,7 +152,7 @@ class SegmentTokenizer:
         split, byte_level = steps
         if not (
             split.get("type") == "Split"
-            and split.get("pattern") == {"Regex": _CHUNKABLE_SPLIT}
+            and split.get("pattern") == {"Regex": chunks.CHUNKABLE_SPLIT}
             and split.get("behavior") == "Isolated"
             and not split.get("invert")
             and byte_level.get("type") == "ByteLevel"
@@ -356,7 +164,7 @@ class SegmentTokenizer:
         sample = "Ab1 2 é\u0301 x\n y  z!! ?? 'll 中文，文。 \t end " * 3
         whole = self._backend.encode(sample, add_special_tokens=False).ids
         cut, pos = [], 0
-        for m in _SAFE_CUT.finditer(sample):
+        for m in chunks.SAFE_CUT.finditer(sample):
             cut.extend(self._backend.encode(sample[pos : m.end()], add_special_tokens=False).ids)
             pos = m.end()
         cut.extend(self._backend.encode(sample[pos:], add_special_tokens=False).ids)
@@ -380,7 +188,7 @@ class SegmentTokenizer:
         found: dict[int, Sequence[int]] = {}
         missing: dict[int, str] = {}
         cache = self.cache
-        seed = _CACHE_SCOPE.get()
+        seed = scope.CACHE_SCOPE.get()
         for p in pieces:
             if isinstance(p, int):
                 continue
@@ -402,17 +210,24 @@ class SegmentTokenizer:
                     if key in cache:
                         cache.move_to_end(key)
                 self.hits += len(found)
-        budget = _INLINE_BUDGET.get()
+        budget = scope.INLINE_BUDGET.get()
         if missing:
-            state = _BUDGET.get()
+            state = scope.BUDGET.get()
             if state is not None:  # this prompt's tokens so far: its cached segments
                 state.tokens = base_tokens + sum(len(found[k]) for k in keys if k in found)
             if budget is not None and sum(map(len, missing.values())) > budget:
-                raise NeedsThread
+                raise scope.NeedsThread
             assert self._encode_plain is not None
             segs = list(missing.values())
-            if state is not None and sum(map(len, segs)) > CHUNK_CHARS:
-                all_ids: list[Sequence[int]] = [self._encode_budgeted(seg, state) for seg in segs]
+            if state is not None and sum(map(len, segs)) > chunks.CHUNK_CHARS:
+                plain = self._encode_plain
+
+                def encode(text: str) -> Sequence[int]:
+                    return plain([text])[0]
+
+                all_ids: list[Sequence[int]] = [
+                    chunks.encode_budgeted(encode, seg, state, self._chunkable) for seg in segs
+                ]
             else:
                 all_ids = self._encode_plain(segs)
             for key, got in zip(missing, all_ids, strict=True):
@@ -444,73 +259,6 @@ class SegmentTokenizer:
                 pos += len(p)
                 k += 1
         return out
-
-    def _encode_budgeted(self, text: str, state: _Budget) -> list[int]:
-        """``text``'s ids, encoded piece by piece with ``state`` checked between pieces.
-        Pieces are cut at ``_SAFE_CUT`` (exact) when the tokenizer is Qwen2's kind; a longer
-        stretch with no such cut (one run of spaces, letters, symbols) can only be encoded
-        whole, which no check can interrupt: it is refused up front when its cost,
-        projected from encoding its first CHUNK_CHARS, does not fit what is left of the
-        budget (``_whole_cost``). While its first pieces project more tokens than the
-        context holds, more of it is encoded in arbitrary pieces to find that out (those
-        ids are thrown away)."""
-        assert self._encode_plain is not None
-        plain = self._encode_plain
-
-        def encode(text: str) -> Sequence[int]:
-            return plain([text])[0]
-
-        ids: list[int] = []
-        for piece, exact in self._pieces(text):
-            if exact:
-                ids.extend(encode(piece))
-                self._check(state, len(ids), len(text))
-                continue
-            probed = 0
-            t0 = time.thread_time()
-            for at in range(0, len(piece), CHUNK_CHARS):
-                probed += len(encode(piece[at : at + CHUNK_CHARS]))
-                # A cut can split what whole-text BPE merges: allow a few tokens per cut.
-                self._check(state, len(ids) + probed - 4 * (at // CHUNK_CHARS), len(text))
-                done = min(len(piece), at + CHUNK_CHARS)
-                if state.max_tokens is None or (
-                    state.tokens + len(ids) + probed * len(piece) / done <= state.max_tokens
-                ):
-                    break  # its tokens fit (as far as this tells): only its cost is left
-            rate = (time.thread_time() - t0) / done  # CPU per character, in pieces
-            if time.thread_time() + _whole_cost(rate, len(piece)) > state.deadline:
-                raise over_budget(state.cpu_s, len(text))
-            ids.extend(encode(piece))
-            self._check(state, len(ids), len(text))
-        state.tokens += len(ids)
-        return ids
-
-    def _pieces(self, text: str) -> Iterator[tuple[str, bool]]:
-        """``text`` as consecutive (piece, cut exactly) of about CHUNK_CHARS each."""
-        if not self._chunkable:
-            yield text, False
-            return
-        pos, n = 0, len(text)
-        while n - pos > CHUNK_CHARS:
-            target = pos + CHUNK_CHARS
-            m = _SAFE_CUT.search(text, target, min(n, target + 4 * CHUNK_CHARS))
-            if m is None:  # a long stretch with no boundary: up to the next one, or the end
-                m = _search_cut(text, target)
-                if m is None:
-                    break
-                yield text[pos : m.end()], False
-            else:
-                yield text[pos : m.end()], True
-            pos = m.end()
-        if pos < n:
-            yield text[pos:], n - pos <= CHUNK_CHARS
-
-    @staticmethod
-    def _check(state: _Budget, tokens: int, chars: int) -> None:
-        if state.max_tokens is not None and state.tokens + tokens > state.max_tokens:
-            raise over_context(state.max_tokens, state.tokens + tokens)
-        if time.thread_time() > state.deadline:
-            raise over_budget(state.cpu_s, chars)
 
     def pieces(self, text: str) -> list[str | int]:
         """``text`` cut at the added tokens: segment text, or an added token's id (in order;
@@ -544,7 +292,7 @@ class SegmentTokenizer:
 
     def _key(self, piece: str) -> int:
         try:
-            return xxhash.xxh3_128_intdigest(piece.encode("utf-8"), _CACHE_SCOPE.get())
+            return xxhash.xxh3_128_intdigest(piece.encode("utf-8"), scope.CACHE_SCOPE.get())
         except UnicodeEncodeError:
             raise error("the prompt is not valid Unicode text") from None
 

@@ -113,11 +113,11 @@ def test_segments_over_the_fast_limit_are_cut_exactly_into_fast_pieces() -> None
     """A new segment longer than FAST_MAX_CHARS is encoded by fastokens in pieces cut where
     whole-text BPE has a boundary too: the same ids as the reference's whole-text encode.
     Where no cut is near the limit, the piece runs to the next cut (the reference's then)."""
-    from router.prompt.segments import fast_pieces
+    from router.prompt.chunks import fast_pieces
 
     r = renderer(True)
     hook, reference = r._segments._encode_plain, _reference()
-    assert hook is not None and hook.__qualname__.startswith("_cut_long")  # the cutting hook
+    assert hook is not None and hook.__qualname__.startswith("cut_long")  # the cutting hook
     rng = random.Random(5)
     corp = self_check_corpus(200, seed=9)
     texts = [
