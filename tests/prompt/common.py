@@ -81,3 +81,26 @@ def rejects(body: dict[str, Any], param: str | None = None, *, chat: bool = True
 
 
 CASES = [json.loads(line) for line in FIXTURE.read_text().split("\n") if line.strip()]
+
+
+def check_oracle_case(r: Renderer, case: dict[str, Any]) -> None:
+    """``r`` answers one vLLM oracle case (a fixture line: ``body``, ``expected``) as vLLM
+    did: its token ids, its completion prompts' ids, or a 400; and leaves the body as it was."""
+    import copy
+
+    body = copy.deepcopy(case["body"])
+    before = copy.deepcopy(body)
+    expected = case["expected"]
+    if "error" in expected:
+        with pytest.raises(APIError) as exc:
+            if "messages" in body:
+                r.tokenize_chat(body)
+            else:
+                r.tokenize_completion_request(body)
+        assert exc.value.status == 400
+    elif "messages" in body:
+        assert r.tokenize_chat(body) == expected["token_ids"]
+    else:
+        got = r.tokenize_completion_request(body)
+        assert got == (expected["results"] if "results" in expected else [expected["token_ids"]])
+    assert body == before, "the renderer must not modify the request body"

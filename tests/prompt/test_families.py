@@ -4,7 +4,6 @@ tools/make_family_fixtures.py), with and without the segment cache."""
 
 from __future__ import annotations
 
-import copy
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -12,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from router.errors import APIError
 from router.prompt import Renderer
 from tests.families import FAMILY_NAMES, family_dir
+from tests.prompt.common import check_oracle_case
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "families"
 
@@ -54,18 +53,4 @@ def test_each_family_has_substantial_fixtures() -> None:
 @pytest.mark.parametrize("segment_cache", [True, False], ids=["segments", "plain"])
 @pytest.mark.parametrize("family,case", ALL, ids=[f"{f}-{c['id']}" for f, c in ALL])
 def test_matches_vllm(family: str, case: dict[str, Any], segment_cache: bool) -> None:
-    r = renderer(family, segment_cache)
-    body = copy.deepcopy(case["body"])
-    expected = case["expected"]
-    if "error" in expected:
-        with pytest.raises(APIError) as exc:
-            if "messages" in body:
-                r.tokenize_chat(body)
-            else:
-                r.tokenize_completion_request(body)
-        assert exc.value.status == 400
-    elif "messages" in body:
-        assert r.tokenize_chat(body) == expected["token_ids"]
-    else:
-        got = r.tokenize_completion_request(body)
-        assert got == (expected["results"] if "results" in expected else [expected["token_ids"]])
+    check_oracle_case(renderer(family, segment_cache), case)
