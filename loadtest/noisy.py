@@ -17,12 +17,11 @@ offer ``quiet_tenants x quiet_rate x question_tokens`` tokens/s and the flood
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from loadtest.spec import DEFAULT_MODEL, RequestSpec, Script, Session, Workload
+from loadtest.spec import DEFAULT_MODEL, Session, Workload, one_shot
 
 TOKEN_RANGE = (1000, 100_000)
 TENANT_HEADER = "X-Tenant"
@@ -72,31 +71,6 @@ def _arrivals(rng: np.random.Generator, rate: float, start: float, end: float) -
         out.append(t)
 
 
-def _one_shot(
-    tenant: str, rid: str, user: str, ids: list[int], max_tokens: int, model: str
-) -> Callable[[], Script]:
-    def script() -> Script:
-        yield RequestSpec(
-            "completions",
-            group=tenant,
-            session=rid,
-            turn=0,
-            body={
-                "model": model,
-                "prompt": ids,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "user": user,
-            },
-            token_ids_fn=lambda: ids,
-            meta={"tenant": tenant},
-            headers={TENANT_HEADER: tenant},
-        )
-
-    return script
-
-
 def noisy_workload(p: NoisyParams, model: str = DEFAULT_MODEL) -> Workload:
     sessions: list[Session] = []
     tenants = [*quiet_names(p), FLOODER]
@@ -114,9 +88,17 @@ def noisy_workload(p: NoisyParams, model: str = DEFAULT_MODEL) -> Workload:
             rid = f"{tenant}-{k}"
             ids = system + _ids(rng, p.question_tokens)
             user = f"{tenant}-u{k % max(1, p.users)}"
-            sessions.append(
-                Session(rid, tenant, t, _one_shot(tenant, rid, user, ids, p.output_tokens, model))
+            script = one_shot(
+                rid,
+                tenant,
+                ids,
+                p.output_tokens,
+                model,
+                user=user,
+                meta={"tenant": tenant},
+                headers={TENANT_HEADER: tenant},
             )
+            sessions.append(Session(rid, tenant, t, script))
     sessions.sort(key=lambda s: s.start_s)
     return Workload(
         "noisy_neighbour",

@@ -4,7 +4,7 @@ runner. Kept apart so the trace replay and the synthetic workloads do not import
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +56,45 @@ class RequestSpec:
 
 
 Script = Generator[RequestSpec, "str | None", None]
+
+
+def one_shot(
+    session: str,
+    group: str,
+    ids: Sequence[int],
+    max_tokens: int,
+    model: str,
+    *,
+    user: str | None = None,
+    meta: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Callable[[], Script]:
+    """A session of one token-id prompt on /v1/completions, ``max_tokens`` generated whatever
+    the model samples (greedy, EOS ignored); ``user`` names the end user in the body."""
+    ids = list(ids)
+
+    def script() -> Script:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        if user is not None:
+            body["user"] = user
+        yield RequestSpec(
+            "completions",
+            group=group,
+            session=session,
+            turn=0,
+            body=body,
+            token_ids_fn=lambda: ids,
+            meta=dict(meta or {}),
+            headers=dict(headers or {}),
+        )
+
+    return script
 
 
 @dataclass

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from loadtest.spec import (
     Script,
     Session,
     Workload,
+    one_shot,
 )
 from loadtest.trace import trace_workload
 
@@ -493,7 +494,7 @@ def prefix_repetition(
                 f"p{p}s{s}",
                 f"prefix{p}",
                 t_now,
-                _one_shot(f"p{p}s{s}", f"prefix{p}", prefixes[p] + suffix, output_len, model),
+                one_shot(f"p{p}s{s}", f"prefix{p}", prefixes[p] + suffix, output_len, model),
             )
         )
         if math.isfinite(rate) and rate > 0:
@@ -515,30 +516,6 @@ def prefix_repetition(
         ),
         warnings=[PREFIX_REPETITION_WARNING],
     )
-
-
-def _one_shot(
-    session: str, group: str, ids: Sequence[int], max_tokens: int, model: str
-) -> Callable[[], Script]:
-    ids = list(ids)
-
-    def script() -> Script:
-        yield RequestSpec(
-            "completions",
-            group=group,
-            session=session,
-            turn=0,
-            body={
-                "model": model,
-                "prompt": ids,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            },
-            token_ids_fn=lambda: ids,
-        )
-
-    return script
 
 
 # ---------------------------------------------------------------------------------------------
