@@ -188,3 +188,34 @@ def test_readme_quickstart_uses_the_commands_as_they_are() -> None:
     from loadtest.sim.config import SimConfig
 
     assert f'model="{SimConfig().model}"' in text
+
+
+def test_the_lifecycle_hook_example_is_the_whole_change(tmp_path: Path) -> None:
+    """docs/scheduling.md's diff adding a hook-keeping scorer, applied as it stands: the
+    schedule the page gives builds with it, keeps the lazy tail, and its count follows
+    ``placed`` and ``done``."""
+    import argparse
+
+    from router.config import load_config
+    from router.lazy_tail import policy_allows
+    from router.schedule import Decision, HashRing, from_config, registry
+
+    text = section(DOCS / "scheduling.md", "Lifecycle hooks")
+    diff = text[text.index("```diff\n") + 8 : text.index("```", text.index("```diff\n") + 8)]
+    added = [line[1:] for line in diff.splitlines() if line.startswith("+") and line[:3] != "+++"]
+    if "active_requests" not in registry.names("scorer"):  # registered once per process
+        exec(compile("\n".join(added), "active_requests.py", "exec"), {"__name__": "example"})
+    schedule = re.search(r"`(schedule: \{scorers: .*?)`", text.replace("\n", " "))
+    assert schedule is not None
+    path = tmp_path / "router.yaml"
+    path.write_text(schedule[1])
+    config = load_config(argparse.Namespace(config=str(path)), env={})
+    pipeline = from_config(config.routing, HashRing(["http://a", "http://b"]))
+    assert policy_allows(pipeline) is None  # the lazy tail stays on
+    scorer = next(s for s, _ in pipeline.scorers if s.name == "active_requests")
+    decision = Decision("http://a", 0, "prefix", pipeline.name)
+    pipeline.placed(decision)
+    pipeline.placed(decision)
+    assert scorer.active["http://a"] == 2
+    pipeline.done(decision, 200)
+    assert scorer.active["http://a"] == 1
