@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -225,7 +225,7 @@ class Gateway:
         if default is not None:
             path.block_size = default.block_size
             if path.renderer is None:
-                path.renderer = default.renderer  # diagnostics decode with the default's
+                path.renderer = default.renderer  # a body without ``model`` offline
         self._describe_models()
 
     def _describe_models(self) -> None:
@@ -271,6 +271,11 @@ class Gateway:
         await self.wiring.close()
         self.upstream.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def decoder(self, model: str) -> Callable[[Sequence[int]], str] | None:
+        """``model``'s token ids to text with its own tokenizer (diagnostics); None where
+        it has none (router/models/upkeep.py)."""
+        return self.path.upkeep.decoder(model, self.path.renderer)
 
     def spawn(self, coro: Any) -> None:
         self.background.spawn(coro)

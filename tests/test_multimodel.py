@@ -390,3 +390,48 @@ async def test_replicas_of_one_model_that_disagree_are_kept_apart(
         await gw.stop()
         for r in replicas:
             await r.stop()
+
+
+async def test_diagnostics_decode_each_model_with_its_own_tokenizer(fleet: Fleet) -> None:
+    """The live diagnostics show where each model's prompts diverge in that model's own text:
+    Llama 3's token ids decoded with Llama 3's tokenizer (Qwen3's, the default model's, would
+    turn them into other text), and no text at all for the model matched by its text prefix."""
+    gw = await gateway(fleet.urls(), admin_key="k")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for model in (QWEN, LLAMA, MYSTERY):
+                for i in range(4):
+                    system = f"Current date and time: 2026-10-27T14:03:{i:02d}Z\n" + LONG_SYSTEM
+                    await send(s, gw, body(model, "What changed?", system))
+            reports = {}
+            for model in (QWEN, LLAMA, MYSTERY):
+                async with s.get(
+                    gw.url + "/admin/diagnostics",
+                    params={"model": model},
+                    headers={"X-Admin-Key": "k"},
+                ) as r:
+                    assert r.status == 200
+                    reports[model] = await r.json()
+        for model in (QWEN, LLAMA):
+            culprit = reports[model]["divergence"]["culprits"][0]
+            assert "Current date and time: 2026-10-27T14:03:" in culprit["line"], (model, culprit)
+        culprit = reports[MYSTERY]["divergence"]["culprits"][0]
+        assert reports[MYSTERY]["scope"]["requests"] == 4
+        assert "line" not in culprit and "before" not in culprit, culprit
+        # Explain tokenizes each model's body with its own tokenizer too.
+        async with aiohttp.ClientSession() as s:
+            for model, first in ((LLAMA, 128000), (QWEN, None)):
+                status, _, explained = await post(
+                    s,
+                    gw.url + "/v1/route/explain?token_ids=1",
+                    body(model, "x"),
+                    {"X-Admin-Key": "k"},
+                )
+                assert status == 200
+                ids = explained["token_ids"]
+                if first is not None:
+                    assert ids[0] == first  # Llama 3's BOS
+                else:
+                    assert 128000 not in ids
+    finally:
+        await gw.stop()

@@ -27,6 +27,9 @@ DECODE_BOUND_RATIO = 1.0  # completion / prompt tokens at which latency is decod
 SHOWN_CULPRITS = 3
 SHOWN_SUGGESTIONS = 3
 Decode = Callable[[Sequence[int]], str]
+# A model's decoder: its own tokenizer's (None: no tokenizer, or text not shown). Token ids of
+# one model mean nothing in another's vocabulary.
+DecodeFor = Callable[[str], "Decode | None"]
 GroupKey = tuple[str, str, "str | None"]
 
 
@@ -287,6 +290,7 @@ class Pair:
     key_differs: bool = False  # another cache_salt or adapter: no sharing from block 0
     resync: tuple[int, int, int] | None = None  # (prev_end, cur_end, run)
     resume_tail: bytes = b""  # the last tokens of the shared text after the span
+    model: str = ""  # the group's model: whose tokenizer decodes the ids
 
     @property
     def early(self) -> bool:

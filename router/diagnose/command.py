@@ -106,10 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefix-router diagnose: {e}", file=sys.stderr)
         return 2
     gateway.executor.shutdown(wait=False)
-    renderer = gateway.renderer
     rep = analyze(
         samples,
-        decode=None if a.redact or renderer is None else renderer.decode,
+        decode=None if a.redact else gateway.decoder,
         redact=a.redact,
     )
     rep["scope"]["source"] = a.file

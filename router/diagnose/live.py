@@ -148,10 +148,13 @@ class LiveDiagnostics:
         app: str | None = None,
         redact: bool = False,
     ) -> dict[str, Any]:
-        renderer = self.gateway.renderer
-        decode = renderer.decode if renderer is not None else None
         rep = self.window.report(
-            model, tenant, app, redact=redact, decode=decode, counters=self.counter_deltas()
+            model,
+            tenant,
+            app,
+            redact=redact,
+            decode=self.gateway.decoder,  # each model's ids with its own tokenizer
+            counters=self.counter_deltas(),
         )
         self.update_gauges()
         return rep

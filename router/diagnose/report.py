@@ -16,6 +16,7 @@ from router.diagnose.analysis import (
     SHOWN_CULPRITS,
     SHOWN_SUGGESTIONS,
     Decode,
+    DecodeFor,
     GroupKey,
     Pair,
     Record,
@@ -68,7 +69,7 @@ def build_report(
     *,
     block_size: int,
     scope: dict[str, Any],
-    decode: Decode | None,
+    decode: DecodeFor | None,
     redact: bool,
     counters: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
@@ -171,7 +172,14 @@ def build_report(
     return report
 
 
-def _divergence_section(pairs: Sequence[Pair], bs: int, decode: Decode | None) -> dict[str, Any]:
+def _decoder(decode: DecodeFor | None, p: Pair) -> Decode | None:
+    """The pair's own model's decoder (never another model's)."""
+    return decode(p.model) if decode is not None else None
+
+
+def _divergence_section(
+    pairs: Sequence[Pair], bs: int, decode_for: DecodeFor | None
+) -> dict[str, Any]:
     counts = [0] * len(BUCKETS)
     early = [0] * len(BUCKETS)
     breaking = [0] * len(BUCKETS)
@@ -224,6 +232,7 @@ def _divergence_section(pairs: Sequence[Pair], bs: int, decode: Decode | None) -
             "median_tokens_after": lost[len(lost) // 2],
             "tools_reordered_pairs": reordered,
         }
+        decode = _decoder(decode_for, example)
         if decode is not None:
             before = decode(unpack(example.before))
             after_cur = decode(unpack(example.after_cur))
@@ -235,7 +244,7 @@ def _divergence_section(pairs: Sequence[Pair], bs: int, decode: Decode | None) -
             c["after_current"] = after_cur
             variants: list[str] = []
             for p in reversed(ps):
-                if p.index == index:
+                if p.index == index and p.model == example.model:
                     v = _line_around(decode(unpack(p.before)), decode(unpack(p.after_cur)))
                     if v not in variants:
                         variants.append(v)
@@ -285,7 +294,9 @@ def _line_bounds(p: Pair, start: int, end: int, decode: Decode) -> tuple[int, in
     return a + origin, b + origin
 
 
-def _suggestions(pairs: Sequence[Pair], bs: int, decode: Decode | None) -> list[dict[str, Any]]:
+def _suggestions(
+    pairs: Sequence[Pair], bs: int, decode_for: DecodeFor | None
+) -> list[dict[str, Any]]:
     """Reordering: clusters of pairs whose prompts agree again after a short volatile span."""
     out: list[dict[str, Any]] = []
     spans = sorted((p for p in pairs if p.resync is not None), key=lambda p: p.index)
@@ -333,8 +344,9 @@ def _suggestions(pairs: Sequence[Pair], bs: int, decode: Decode | None) -> list[
         }
         what = f"the {end - start} tokens at {start}..{end}"
         where = f"later, behind the text the requests share after it (to about token {resume})"
+        latest = max(cl, key=lambda p: p.t)
+        decode = _decoder(decode_for, latest)
         if decode is not None:
-            latest = max(cl, key=lambda p: p.t)
             s["span_text"] = decode(_context_slice(latest, start, end))
             bounds = _line_bounds(latest, start, end, decode)
             if bounds is not None:

@@ -15,7 +15,7 @@ from router.blocks import cacheable_blocks
 from router.diagnose.analysis import (
     ANCHOR_TOKENS,
     CONTEXT_TOKENS,
-    Decode,
+    DecodeFor,
     Group,
     GroupKey,
     Pair,
@@ -198,6 +198,7 @@ class Window:
                 before=pack_slice(ids, d - c, d),
                 after_prev=pack_slice(prev, d, d + c),
                 after_cur=pack_slice(ids, d, d + c),
+                model=key[0],
             )
             pair.key_differs = not same_key
             pt, ct = group.last_tools, s.tools
@@ -250,7 +251,7 @@ class Window:
         app: str | None = None,
         *,
         redact: bool = False,
-        decode: Decode | None = None,
+        decode: DecodeFor | None = None,
         counters: Mapping[str, tuple[float, float]] | None = None,
         now: float | None = None,
     ) -> dict[str, Any]:
@@ -274,7 +275,7 @@ class Window:
 def analyze(
     samples: Iterable[Sample],
     *,
-    decode: Decode | None = None,
+    decode: DecodeFor | None = None,
     redact: bool = False,
     model: str | None = None,
     tenant: str | None = None,
