@@ -202,13 +202,7 @@ class Gateway:
         tokenizer (start-up: a contradicted block size is refused here, in one line)."""
         path, models = self.path, self.path.models
         loop = asyncio.get_running_loop()
-        models.refresh(self.wiring.fleet.replicas.values())
-        if models.refused:
-            raise SystemExit(f"prefix-router: {models.refused}")
-        for name in models.unloaded():
-            entry = await loop.run_in_executor(self.executor, models.load, name)
-            path.upkeep.loaded(entry)
-        path.upkeep.ready = models.started = True
+        await path.upkeep.load_all()
         if not models.entries and path.renderer is None:
             # No replica reported a model: --tokenizer, or the one clear line that says why not.
             path.renderer = await loop.run_in_executor(

@@ -348,6 +348,12 @@ class Registry:
         "picks when no replica has it (vLLM's /v1/load_lora_adapter; the replicas need "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     )
+    tokenizer_download: bool = _opt(
+        False,
+        "at start-up, fetch the tokenizer files of a served model whose tokenizer is not on "
+        "this host from HF_ENDPOINT (default the Hugging Face Hub) into the local Hugging Face "
+        "cache; never on a request's path; HF_HUB_OFFLINE wins (docs/models.md)",
+    )
 
 
 @dataclass

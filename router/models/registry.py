@@ -49,7 +49,9 @@ class ModelEntry:
     root: str | None = None
     renderer: Renderer | None = None
     tokenizer: str | None = None  # where the renderer's files are
-    tokenizer_origin: str = "none"  # config, flag, root, hf_cache, bundled, injected, none
+    tokenizer_origin: str = (
+        "none"  # config, flag, root, hf_cache, bundled, downloaded, injected, none
+    )
     missing: str | None = None  # why there is no renderer
     block_size: int = DEFAULT_BLOCK_SIZE
     block_size_origin: str = "default"  # replicas, config, flag, default
@@ -105,6 +107,8 @@ class Route:
 
 
 Loader = Callable[..., Renderer]
+# (name, root) -> (a directory with its tokenizer, what happened): the opt-in download.
+Fetch = Callable[[str, "str | None"], "tuple[str | None, str]"]
 
 
 class ModelRegistry:
@@ -138,6 +142,7 @@ class ModelRegistry:
         self._offline: dict[tuple[str, bool, int], ModelEntry] = {}
         self._lock = threading.Lock()  # loads run in worker threads
         self.started = False  # the gateway is serving (refusals are logged, not fatal)
+        self.fetch: Fetch | None = None  # tokenizer_download: router/models/download.py
 
     # -- building -----------------------------------------------------------------------------
     def refresh(self, replicas: Iterable[ReplicaView]) -> list[str]:
@@ -260,6 +265,12 @@ class ModelRegistry:
             found, why = None, str(e)
         else:
             why = f"none in the config, at its root {entry.root!r} or in {tokenizers.hub_cache()}"
+            if found is None and self.fetch is not None:  # allowed, and never on a request
+                path, what = self.fetch(name, entry.root)
+                if path is not None:
+                    found = tokenizers.Found(path, "downloaded")
+                else:
+                    why = f"{why}; {what}"
         if found is not None:
             key = json.dumps(
                 [

@@ -7,7 +7,8 @@
    vLLM finds it (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub);
 4. a tokenizer bundled with the gateway for that model.
 
-Nothing is downloaded here: the request path must never wait on a model hub. Families vLLM
+Nothing is downloaded here: the request path must never wait on a model hub (the opt-in
+start-up download is router/models/download.py). Families vLLM
 does not render with the Hugging Face chat template (Mistral's ``mistral`` tokenizer mode,
 GPT-OSS's harmony format) are refused by name: their requests are routed by the text-prefix
 fallback instead of being hashed with token ids the replica would not produce.
@@ -29,7 +30,8 @@ from router.prompt import Renderer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HOW_TO_GIVE = (
     "give it under models: in the config (models: {NAME: {tokenizer: /path/to/dir}}), "
-    "or put the model in this host's Hugging Face cache"
+    "or put the model in this host's Hugging Face cache, or allow a start-up download "
+    "(tokenizer_download: true)"
 )
 
 

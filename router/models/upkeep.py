@@ -22,6 +22,7 @@ from router.errors import APIError, clip
 from router.fleet import Fleet, Replica
 from router.forward import UpstreamUnavailable
 from router.metrics import Metrics
+from router.models import download
 from router.models.registry import ModelEntry, ModelRegistry, Route
 from router.prompt import Renderer
 from router.request import RoutedRequest
@@ -53,6 +54,8 @@ class ModelUpkeep:
         self._fleet = fleet
         self._session = session
         self.ready = False  # start-up loaded the registry's tokenizers (Gateway._start)
+        if config.registry.tokenizer_download:
+            registry.fetch = download.Downloader()
 
     # -- following the fleet --------------------------------------------------------------------
     def refresh(self) -> None:
@@ -66,9 +69,26 @@ class ModelUpkeep:
             for name in new:
                 self.spawn(self._load_later(name))
 
-    async def _load_later(self, name: str) -> None:
+    async def load_all(self) -> None:
+        """Start-up: build the registry from what the replicas reported and load every
+        model's tokenizer (downloading it first where allowed), before serving."""
+        fleet = self._fleet()
+        assert fleet is not None
+        if self.registry.fetch is not None:
+            log.info("%s", download.describe())
+        self.registry.refresh(fleet.replicas.values())
+        if self.registry.refused:
+            raise SystemExit(f"prefix-router: {self.registry.refused}")
         loop = asyncio.get_running_loop()
-        self.loaded(await loop.run_in_executor(self.executor, self.registry.load, name))
+        for name in self.registry.unloaded():
+            self.loaded(await loop.run_in_executor(self.executor, self.registry.load, name))
+        self.ready = self.registry.started = True
+
+    async def _load_later(self, name: str) -> None:
+        # A download (allowed) waits on the network: not in a tokenizing thread.
+        executor = None if self.registry.fetch is not None else self.executor
+        loop = asyncio.get_running_loop()
+        self.loaded(await loop.run_in_executor(executor, self.registry.load, name))
 
     def loaded(self, entry: ModelEntry) -> None:
         if entry.renderer is not None:
