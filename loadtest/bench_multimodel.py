@@ -2,6 +2,7 @@
 
     python -m loadtest.bench_multimodel                      # ~1 minute
     python -m loadtest.bench_multimodel --conversations 60 --max-seconds 90
+    python -m loadtest.bench_multimodel --gateways 2         # fleet mode on a throwaway Redis
 
 Starts in this process simulated replicas of two tokenizer families -- Qwen3 (the bundled
 tokenizer, block size 16) and Llama 3 (block size 32; the test tokenizer fetched by
@@ -12,12 +13,18 @@ model gets its own multi-tenant chat workload (``loadtest.workloads.multi_tenant
 once. Prints per model: requests, the fleet hit rate (its replicas' own counters), the ideal
 hit rate (one unlimited cache over the same token ids, with that model's tokenizer and block
 size), their ratio, and the gateway's predicted vs reported cached tokens for the model.
+
+``--gateways N`` runs N gateways in fleet mode on one throwaway redis-server (or
+``--redis-url``), each listing the replicas with another model first (the order a gateway sees
+models in must not matter), every request sent to a random gateway; the predicted and
+reported cached tokens are summed over the gateways.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
@@ -26,12 +33,13 @@ from pathlib import Path
 import aiohttp
 
 from loadtest import benchkit, workloads
+from loadtest.bench_fleet import MultiGatewayTarget, redis_server
 from loadtest.metrics_scrape import parse_prometheus
-from loadtest.runner import GatewayTarget, RunResult, run_workload
+from loadtest.runner import RunResult, run_workload
 from loadtest.sim.config import SimConfig
 from loadtest.sim.server import SimReplica
 from loadtest.sim.tokens import get_renderer
-from router.app import start_gateway
+from router.app import RunningGateway, start_gateway
 from router.bundled import tokenizer_dir
 from router.config import load_config
 
@@ -79,46 +87,76 @@ async def run(a: argparse.Namespace) -> int:
                     r = SimReplica(cfg)
                     await r.start()
                     replicas.setdefault(model, []).append(r)
-            urls = sorted(r.url for rs in replicas.values() for r in rs)
             # No tokenizer flags; --wrong-tokenizer: Llama hashed with Qwen's (the old bug).
             models = {LLAMA: {"tokenizer": plan[QWEN][0]}} if a.wrong_tokenizer else {}
-            config = load_config(None, env={}, replicas=urls, models=models)
-            gw = await start_gateway(config, port=0)
-            try:
-                jobs = []
-                for i, model in enumerate(plan):
-                    wl = workloads.multi_tenant(
-                        seed=a.seed + i,
-                        conversations=a.conversations,
-                        rate=a.rate,
-                        model=model,
-                    )
-                    jobs.append(
-                        run_workload(
-                            GatewayTarget(gw.url, [r.url for r in replicas[model]]),
-                            wl,
-                            concurrency=a.concurrency,
-                            max_seconds=a.max_seconds,
-                            renderer=get_renderer(plan[model][0]),
-                            block_size=plan[model][1],
-                            label=model,
-                            progress=False,
+            order = list(plan)
+            with contextlib.ExitStack() as stack:
+                fleet: dict[str, object] = {}
+                if a.gateways > 1:
+                    fleet = {"redis_url": stack.enter_context(redis_server(a.redis_url))}
+                gws: list[RunningGateway] = []
+                try:
+                    for g in range(a.gateways):
+                        first = order[g % len(order) :] + order[: g % len(order)]
+                        urls = [r.url for m in first for r in sorted(replicas[m], key=_url)]
+                        config = load_config(None, env={}, replicas=urls, models=models, **fleet)
+                        gws.append(await start_gateway(config, port=0))
+                    jobs = []
+                    for i, model in enumerate(plan):
+                        wl = workloads.multi_tenant(
+                            seed=a.seed + i,
+                            conversations=a.conversations,
+                            rate=a.rate,
+                            model=model,
                         )
+                        target = MultiGatewayTarget(
+                            [gw.url for gw in gws],
+                            [r.url for r in replicas[model]],
+                            seed=a.seed + i,
+                            name=model,
+                        )
+                        jobs.append(
+                            run_workload(
+                                target,
+                                wl,
+                                concurrency=a.concurrency,
+                                max_seconds=a.max_seconds,
+                                renderer=get_renderer(plan[model][0]),
+                                block_size=plan[model][1],
+                                label=model,
+                                progress=False,
+                            )
+                        )
+                    results: list[RunResult] = await asyncio.gather(*jobs)
+                    scraped = []
+                    async with aiohttp.ClientSession() as s:
+                        for gw in gws:
+                            async with s.get(gw.url + "/metrics") as resp:
+                                scraped.append(parse_prometheus(await resp.text()))
+                    drifting = sorted(
+                        {
+                            n
+                            for gw in gws
+                            for n, e in gw.gateway.models.entries.items()
+                            if e.drift.flagged
+                        }
                     )
-                results: list[RunResult] = await asyncio.gather(*jobs)
-                async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as resp:
-                    metrics = parse_prometheus(await resp.text())
-                drifting = [n for n, e in gw.gateway.models.entries.items() if e.drift.flagged]
-            finally:
-                await gw.stop()
+                finally:
+                    for gw in gws:
+                        await gw.stop()
         finally:
             for rs in replicas.values():
                 for r in rs:
                     await r.stop()
+    print(f"gateways: {a.gateways}" + (" (fleet mode, one Redis)" if a.gateways > 1 else ""))
     cells = []
     for model, res in zip(plan, results, strict=True):
-        pred = _sample(metrics, "prefix_router_model_predicted_cached_tokens_total", model)
-        rep = _sample(metrics, "prefix_router_model_reported_cached_tokens_total", model)
+        pred = sum(
+            _sample(m, "prefix_router_model_predicted_cached_tokens_total", model) for m in scraped
+        )
+        rep = sum(
+            _sample(m, "prefix_router_model_reported_cached_tokens_total", model) for m in scraped
+        )
         f, i = res.fleet_hit_rate, res.ideal_hit_rate
         cells.append(
             (
@@ -137,6 +175,10 @@ async def run(a: argparse.Namespace) -> int:
     print(benchkit.markdown(headers + "predicted / reported cached tokens", cells))
     print(f"drift watch flagged: {', '.join(drifting) or 'none'}")
     return 0
+
+
+def _url(r: SimReplica) -> str:
+    return r.url
 
 
 def _sample(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, model: str) -> float:
@@ -158,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         help="configure Qwen3's tokenizer for the Llama model (what a single-tokenizer gateway "
         "does): its predictions, the drift watch and its hit rate then show the cost",
     )
+    p.add_argument("--gateways", type=int, default=1, help="gateways; above 1, in fleet mode")
+    p.add_argument("--redis-url", default=None, help="fleet mode's Redis (default: a throwaway)")
     a = p.parse_args(argv)
     return asyncio.run(run(a))
 
