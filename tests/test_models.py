@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from router.bundled import tokenizer_dir
-from router.fleet import Replica, parse_vllm_metrics
+from router.fleet import Replica
 from router.models import (
     ModelRegistry,
     ModelSpecError,
@@ -22,6 +22,7 @@ from router.models import (
 )
 from router.models.drift import DriftWatch
 from router.models.spec import alias_map
+from router.probes import parse_vllm_metrics
 
 QWEN = str(tokenizer_dir())
 
