@@ -21,6 +21,8 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
+from router.prompt.sandbox import ChatSandbox
+
 ContentFormat = Literal["string", "openai"]
 
 log = logging.getLogger("router.prompt.jinja")
@@ -90,8 +92,12 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+def jinja_env(
+    sandbox: type[jinja2.sandbox.ImmutableSandboxedEnvironment] = ChatSandbox,
+) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The environment templates are compiled in; ``sandbox``: the stock class (tests compare
+    it with ChatSandbox, its shortcuts, router/prompt/sandbox.py)."""
+    env = sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.meta
+import jinja2.sandbox
 
 from router.errors import APIError
 from router.prompt.fields import error, prompt_too_long
@@ -16,8 +17,10 @@ from router.prompt.jinja import (
     jinja_env,
     template_error_reason,
 )
+from router.prompt.sandbox import ChatSandbox
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 class CompiledTemplate(NamedTuple):
@@ -30,8 +33,13 @@ class CompiledTemplate(NamedTuple):
 class ChatTemplate:
     """The tokenizer's chat template (or a server-side ``--chat-template`` override)."""
 
-    def __init__(self, source: Any, content_format: ContentFormat | None = None) -> None:
-        self._env = jinja_env()
+    def __init__(
+        self,
+        source: Any,
+        content_format: ContentFormat | None = None,
+        sandbox: type[jinja2.sandbox.ImmutableSandboxedEnvironment] = ChatSandbox,
+    ) -> None:
+        self._env = jinja_env(sandbox)
         self._source = source  # a template string, or a dict of named templates
         self._compiled: dict[str, CompiledTemplate] = {}
         self._forced_format = content_format
@@ -83,14 +91,11 @@ class ChatTemplate:
         compiled = self.resolve(norm["tools"]).template
         chat = [dict(m) for m in norm["conversation"]]
         for n, m in enumerate(chat):  # _alias_reasoning_fields
-            r = next(
-                (
-                    m[k]
-                    for k in ("reasoning_content", "thinking", "reasoning")
-                    if m.get(k) is not None
-                ),
-                None,
-            )
+            r = None
+            for k in _REASONING_KEYS:
+                r = m.get(k)
+                if r is not None:
+                    break
             if r is not None:
                 chat[n] = {"thinking": r, **m, "reasoning_content": r}
         cfm = norm["continue_final_message"]
@@ -127,13 +132,18 @@ class ChatTemplate:
             else:
                 chat[-1]["content"] = final + _CONTINUE_TAG
         try:
-            text = compiled.render(
+            variables = dict(
                 messages=chat,
                 tools=norm["tools"],
                 documents=norm["documents"],
                 add_generation_prompt=norm["add_generation_prompt"],
                 **norm["template_kwargs"],
             )
+            env = self._env
+            if isinstance(env, ChatSandbox):
+                text = env.render(compiled, variables)
+            else:
+                text = compiled.render(variables)
         except APIError:
             raise
         except Exception as e:  # never a 500: the template rejected this input
