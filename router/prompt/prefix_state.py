@@ -35,15 +35,34 @@ _MAX_ROOTS = 8  # hash chains kept per state: one per (salt + adapter root, bloc
 
 
 class PrefixState:
-    """A rendered prompt prefix that ends with an added token, and its ids and hashes."""
+    """A rendered prompt prefix that ends with an added token, and its ids and hashes.
 
-    __slots__ = ("hashes", "ids", "text")
+    The text is the first ``chars`` characters of a prompt the state was cut from, sliced
+    on first use: a state most requests never extend (a conversation's latest turn) then
+    costs no copy of its prompt."""
 
-    def __init__(self, text: str, ids: array[int]) -> None:
-        self.text = text
+    __slots__ = ("_text", "chars", "hashes", "ids", "source")
+
+    def __init__(self, source: str, chars: int, ids: array[int]) -> None:
+        self.source: str | None = source  # the prompt, until the text is sliced out of it
+        self.chars = chars
+        self._text: str | None = None
         self.ids = ids
         # (root hash, block size) -> hashes of the full blocks of ``ids``
         self.hashes: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    @property
+    def text(self) -> str:
+        text = self._text
+        if text is None:
+            source = self.source
+            assert source is not None
+            text = source if len(source) == self.chars else source[: self.chars]
+            self._text, self.source = text, None
+        return text
+
+    def is_prefix_of(self, text: str) -> bool:
+        return len(text) >= self.chars and text.startswith(self.text)
 
     def known_hashes(self, root: int, block_size: int) -> tuple[int, ...] | None:
         return self.hashes.get((root, block_size))
@@ -121,7 +140,7 @@ class PrefixStates:
             state = states.get(keys[k])
             if state is None:
                 continue
-            if text.startswith(state.text):
+            if state.is_prefix_of(text):
                 with self._lock:
                     if keys[k] in states:
                         states.move_to_end(keys[k])
@@ -131,23 +150,27 @@ class PrefixStates:
         self.misses += 1
         return None
 
-    def store(self, key: int, text: str, ids: array[int]) -> PrefixState | None:
-        """Keep ``ids`` as the state of ``text`` under ``key`` (unless one with the same text
-        is there); returns the new state, or None."""
-        n = len(ids)
-        if n == 0 or n > self.max_tokens // 4:
+    def store(
+        self, key: int, text: str, chars: int, ids: array[int], tokens: int
+    ) -> PrefixState | None:
+        """Keep ``ids[:tokens]`` as the state of ``text[:chars]`` under ``key`` (unless one
+        with the same text is there: nothing is copied then); returns the new state, or
+        None."""
+        if tokens == 0 or tokens > self.max_tokens // 4:
             return None
         with self._lock:
             old = self._states.get(key)
-            if old is not None and old.text == text:
+            if old is not None and old.chars == chars and text.startswith(old.text):
                 self._states.move_to_end(key)
                 return None
-            state = PrefixState(text, ids)
+        state = PrefixState(text, chars, ids[:tokens])
+        with self._lock:
+            old = self._states.get(key)
             if old is not None:
                 self.tokens -= len(old.ids)
             self._states[key] = state
             self._states.move_to_end(key)
-            self.tokens += n
+            self.tokens += tokens
             while self.tokens > self.max_tokens and self._states:
                 _, evicted = self._states.popitem(last=False)
                 self.tokens -= len(evicted.ids)

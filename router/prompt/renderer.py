@@ -219,16 +219,14 @@ class Renderer:
         base_chars = 0
         if state is not None:
             ids.extend(state.ids)
-            base_chars = len(state.text)
+            base_chars = state.chars
         base_tokens = len(ids)
         ids.extend(seg.encode_cuts(text[base_chars:] if base_chars else text, base_tokens, cuts))
         ids.prefix = state
         stored: list[PrefixState] = []
         if cuts:  # the whole prompt up to its last added token: the next turn extends it
             chars, tokens = cuts[-1]
-            new = self._prefix.store(
-                keys[-1], text[: base_chars + chars], ids[: base_tokens + tokens]
-            )
+            new = self._prefix.store(keys[-1], text, base_chars + chars, ids, base_tokens + tokens)
             if new is not None:
                 stored.append(new)
         last = norm["conversation"][-1].get("content")
@@ -243,7 +241,7 @@ class Renderer:
             if at >= 0 and before:
                 chars, tokens = before[-1]
                 new = self._prefix.store(
-                    keys[-2], text[: base_chars + chars], ids[: base_tokens + tokens]
+                    keys[-2], text, base_chars + chars, ids, base_tokens + tokens
                 )
                 if new is not None:
                     stored.append(new)
@@ -266,7 +264,7 @@ class Renderer:
         trunc = Truncation(body, chat=True)
         found = self._prefix_lookup(norm, text)
         # A head is worth taking only past ``min_rest_chars`` of text no cache holds.
-        known = len(found[1].text) if found is not None and found[1] is not None else 0
+        known = found[1].chars if found is not None and found[1] is not None else 0
         if (
             len(text) - known > min_rest_chars
             and self._lazy_ok()
