@@ -18,7 +18,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import xxhash
@@ -52,6 +52,7 @@ class SegmentTokenizer:
         self._added: dict[str, int] = {}
         self._added_text: dict[int, str] = {}
         self._split_re: re.Pattern[str] | None = None
+        self._split_lead: str | None = None  # the first character of every added token
         self._special_adds_nothing = False
         self._chunkable = False  # new text can be cut at chunks.SAFE_CUT (see _chunk_safe)
         self.requested = segment_cache
@@ -123,6 +124,8 @@ class SegmentTokenizer:
             return "no added tokens to split on"
         alternatives = sorted(self._added, key=len, reverse=True)  # leftmost-longest
         self._split_re = re.compile("|".join(re.escape(t) for t in alternatives))
+        leads = {t[0] for t in alternatives if t}
+        self._split_lead = leads.pop() if len(leads) == 1 and all(alternatives) else None
         # add_special_tokens=True can use the segment path only if it adds nothing.
         probe = "a<|probe|> b\n"
         self._special_adds_nothing = (
@@ -267,7 +270,12 @@ class SegmentTokenizer:
         added = self._added
         pieces: list[str | int] = []
         pos = 0
-        for m in self._split_re.finditer(text):
+        lead = self._split_lead
+        if lead is None:
+            matches: Iterable[re.Match[str]] = self._split_re.finditer(text)
+        else:
+            matches = self._lead_matches(text, lead)
+        for m in matches:
             if m.start() > pos:
                 pieces.append(text[pos : m.start()])
             pieces.append(added[m.group()])
@@ -275,6 +283,21 @@ class SegmentTokenizer:
         if pos < len(text):
             pieces.append(text[pos:])
         return pieces
+
+    def _lead_matches(self, text: str, lead: str) -> Iterator[re.Match[str]]:
+        """``finditer``'s matches, found by ``str.find`` of the character every added token
+        starts with (a SIMD scan; the regex engine's search steps a character at a time):
+        a match can start nowhere else, and after one the search resumes at its end."""
+        assert self._split_re is not None
+        find, match = text.find, self._split_re.match
+        i = find(lead)
+        while i >= 0:
+            m = match(text, i)
+            if m is None:
+                i = find(lead, i + 1)
+            else:
+                yield m
+                i = find(lead, m.end())
 
     # -- one segment at a time, for the lazy tail (router/prompt/lazy.py) -------------------
     @property

@@ -240,3 +240,23 @@ def test_inline_budget_hands_uncached_text_to_a_thread() -> None:
     ids = r.tokenize_chat(body)  # no budget outside the block: encoded and cached
     with r.inline(100):
         assert r.tokenize_chat(body) == ids  # cached now: tokenized in place
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.lists(_piece | st.sampled_from(["<", "<|", "<<|im_end|>", "<|im_st"]), max_size=14))
+def test_pieces_found_by_the_lead_character_equal_the_regex_search(parts: list[str]) -> None:
+    """``pieces`` finds added tokens with ``str.find`` of their common first character; the
+    cuts are the regex search's (``finditer``) exactly."""
+    text = "".join(parts)
+    seg = renderer(True)._segments
+    assert seg._split_lead == "<" and seg._split_re is not None
+    want: list[str | int] = []
+    pos = 0
+    for m in seg._split_re.finditer(text):
+        if m.start() > pos:
+            want.append(text[pos : m.start()])
+        want.append(seg._added[m.group()])
+        pos = m.end()
+    if pos < len(text):
+        want.append(text[pos:])
+    assert seg.pieces(text) == want
