@@ -85,7 +85,9 @@ def _blocks_of(step: int) -> struct.Struct:
     return struct.Struct(f"{step}s")
 
 
-def _chain(buf: bytes, start: int, end: int, step: int, parent: int, out: list[int]) -> int:
+def _chain(
+    buf: bytes | memoryview, start: int, end: int, step: int, parent: int, out: list[int]
+) -> int:
     """Append the chained hashes of the ``step``-byte blocks of ``buf[start:end]`` to ``out``;
     returns the last one (the parent of what follows)."""
     digest = xxhash.xxh3_64_intdigest
@@ -132,13 +134,20 @@ class ChainCache:
         n = _full_blocks(token_ids, block_size, max_blocks)
         if n == 0:
             return []
-        buf = pack_tokens(token_ids)
         step = 4 * block_size
         if known:
             have = list(known[:n])
             if len(have) < n:
-                _chain(buf, len(have) * step, n * step, step, have[-1], have)
+                # An array's own buffer: only the blocks after the known ones are read (a
+                # tobytes copy of the whole prompt cost more than hashing the new blocks).
+                view = (
+                    memoryview(token_ids).cast("B")
+                    if isinstance(token_ids, array)
+                    else pack_tokens(token_ids)
+                )
+                _chain(view, len(have) * step, n * step, step, have[-1], have)
             return have
+        buf = pack_tokens(token_ids)
         parent = root_hash(cache_salt, lora, namespace)
         seed = parent ^ step  # the block size is part of the identity
         out: list[int] = []
