@@ -139,7 +139,10 @@ async def _gateway() -> Any:
     from router.gateway import Gateway
     from router.loading import load_renderer
 
-    config = Config(replicas=list(REPLICAS))
+    if hasattr(Config, "from_flat"):  # the config in typed sections
+        config = Config.from_flat({"replicas": list(REPLICAS)})
+    else:  # a --baseline tree from before it
+        config = Config(replicas=list(REPLICAS))
     gw = Gateway(config, load_renderer(None, MODEL))
     # The fleet view without its health loop or a session: every replica up, serving MODEL.
     fleet = Fleet(REPLICAS, None)  # type: ignore[arg-type]
