@@ -78,7 +78,8 @@ class RoutedRequest:
     # Prompt tokens not in token_ids yet: a lazy head's estimate of its untokenized rest
     # (router/lazy_tail.py); 0 once the prompt is fully tokenized.
     tail_tokens: int = 0
-    # The client's bytes, when ``body`` is unchanged from them: forwarded as they came.
+    # The bytes to forward: the client's, with any top-level keys ``body`` changed appended
+    # (router/parse.py ``forwarded_bytes``); None when ``body`` must be serialised.
     raw: bytes | None = None
     # A lazy head's rest, still being tokenized (None: ``token_ids`` is the whole prompt).
     tail: Tail | None = None

@@ -33,7 +33,7 @@ from router.limits import BodyLimits, check_fits
 from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, Route, fallback
 from router.models.upkeep import ModelUpkeep
-from router.parse import parse_body, parse_json_object
+from router.parse import forwarded_bytes, parse_body, parse_json_object
 from router.prompt import NeedsThread, Renderer, scope
 from router.prompt.lazy import Head
 from router.request import Endpoint, RoutedRequest, Tail
@@ -226,7 +226,7 @@ class RequestPath:
             app_label=app_label[:64] if app_label else None,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             tail_tokens=head.estimated_tokens() if head is not None else 0,
-            raw=raw if body is admitted.client_body else None,  # forwarded as they came
+            raw=forwarded_bytes(raw, admitted.client_body, body),
             tail=tail,
             model_entry=entry,
         )
