@@ -3,9 +3,10 @@
 ``json.loads`` holds the GIL for the whole parse, in a worker thread too: a 31 MiB body of
 small values (31 KB gzipped) took 2-3.6 s to parse and 0.4-1.3 s to free on a 2-core host,
 and the event loop answered nothing meanwhile. A body that may be costly to parse (megabytes,
-or more values than ``INLINE_VALUES`` by a count of its separators) is first parsed and held
-to the body limits (router/limits.py) in a child process; one outside them is refused from
-there and never parsed here, and one within them costs this process what the limits allow.
+or more values than ``INLINE_VALUES`` by a count of its separators: router/json_pieces.py) is
+first parsed whole and held to the body limits (router/limits.py) in a child process; one
+outside them is refused from there and never parsed here, and one within them is parsed here
+in pieces.
 The bytes waiting for or in the check count against each client's share
 (router/budget.py), so one client's bombs cannot queue ahead of everyone's large bodies
 without bound.
@@ -22,32 +23,18 @@ from concurrent.futures.process import BrokenProcessPool
 
 from router.budget import SharedBudget
 from router.errors import APIError
+from router.json_pieces import may_be_costly
 from router.limits import BodyLimits, check_body
 from router.parse import parse_json_object
 
-INLINE_BYTES = 2 * 1024 * 1024  # larger bodies are always checked out of process
-INLINE_VALUES = 100_000  # a parse of this many values holds the GIL for a few ms
-COUNT_FROM_BYTES = 64 * 1024  # below this, a body is parsed in place without counting
-
 _Refusal = tuple[int, str, "str | None", "str | None"]
-
-
-def may_be_costly(raw: bytes) -> bool:
-    """Whether parsing ``raw`` could hold the GIL long: megabytes, or more values than
-    ``INLINE_VALUES`` (every value but the first follows a ``[``, ``,`` or ``:``, so their
-    count bounds the values; a string holding them only over-counts)."""
-    if len(raw) > INLINE_BYTES:
-        return True
-    if len(raw) <= COUNT_FROM_BYTES:
-        return False
-    return raw.count(b",") + raw.count(b":") + raw.count(b"[") > INLINE_VALUES
 
 
 def check(raw: bytes, limits: BodyLimits) -> _Refusal | None:
     """In the child: None if ``raw`` is a JSON object within ``limits``, else the refusal's
     (status, message, param, code)."""
     try:
-        check_body(parse_json_object(raw), limits)
+        check_body(parse_json_object(raw, whole=True), limits)
     except APIError as e:
         return e.status, e.message, e.param, e.code
     return None

@@ -14,6 +14,7 @@ try:  # an exact, faster parser for the bodies it accepts; the stdlib's for the 
 except ImportError:  # pragma: no cover - orjson is a dependency
     _fast_loads, _FastError = None, ValueError
 
+from router import json_pieces
 from router.errors import bad_request
 from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
 from router.request import Endpoint
@@ -96,14 +97,21 @@ def _last_non_space(raw: bytes, before: int) -> int:
     return i
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json_object(raw: bytes, *, whole: bool = False) -> dict[str, Any]:
     """``raw`` as a JSON object, exactly as the stdlib's ``json.loads`` reads it.
 
-    orjson parses what it accepts to the same values (tests/test_parse_json.py) in a
-    fraction of the time; whatever it refuses -- integers beyond 64 bits, NaN and Infinity,
-    lone surrogates, UTF-16/32 or a byte-order mark, nesting past 1,024, invalid JSON -- is
-    handed to ``json.loads``, which accepts it as before or refuses it with today's message.
-    Duplicate keys: both keep the last value at the first key's place."""
+    A body that may be costly to parse is parsed in pieces (router/json_pieces.py: no
+    call holds the GIL for the whole parse), unless ``whole``: in the checking child,
+    where holding it stalls nobody. Otherwise orjson parses what it accepts to the same
+    values (tests/test_parse_json.py) in a fraction of the time; whatever it refuses --
+    integers beyond 64 bits, NaN and Infinity, lone surrogates, UTF-16/32 or a byte-order
+    mark, nesting past 1,024, invalid JSON -- is handed to ``json.loads``, which accepts
+    it as before or refuses it with today's message. Duplicate keys: all keep the last
+    value at the first key's place."""
+    if not whole and json_pieces.may_be_costly(raw):
+        body = _in_pieces(raw)
+        if body is not None:
+            return body
     if _fast_loads is not None:
         try:
             body = _fast_loads(raw)
@@ -148,6 +156,19 @@ def _wide_float(body: dict[str, Any]) -> bool:
             elif (t is dict or t is list) and v:
                 stack.append(v)
     return False
+
+
+def _in_pieces(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` parsed in pieces; None for what ``json.loads`` should judge (not UTF-8, or
+    not a valid JSON object: its error messages are the ones clients see)."""
+    if json.detect_encoding(raw) != "utf-8":
+        return None
+    try:
+        # surrogatepass: as json.loads decodes bytes (check_body refuses lone surrogates).
+        body = json_pieces.loads(raw.decode("utf-8", "surrogatepass"))
+    except (ValueError, IndexError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def parse_body(

@@ -1,12 +1,31 @@
-"""Large bodies within the limits: forwarded as the client's bytes with the keys the gateway
-changed appended (router/parse.py ``forwarded_bytes``), never serialised again whole."""
+"""Large bodies within the limits: parsed in pieces (router/json_pieces.py) to the very value
+``json.loads`` makes, and forwarded as the client's bytes with the keys the gateway changed
+appended (router/parse.py ``forwarded_bytes``), never serialised again whole."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from router.parse import forwarded_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router import json_pieces
+from router.parse import forwarded_bytes, parse_json_object
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8)
+    | st.sampled_from(["a,b]", '"q"', "\\", "}{", "\n", "x:y"])
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=60,
+)
 
 
 def same(a: Any, b: Any) -> bool:
@@ -18,6 +37,42 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), values, max_size=6), st.sampled_from([None, 1, 2]))
+def test_pieces_give_what_json_loads_gives(body: dict[str, Any], indent: int | None) -> None:
+    text = json.dumps(body, indent=indent)
+    assert same(json_pieces.loads(text), json.loads(text))
+
+
+def test_pieces_cut_long_runs_and_keep_every_value(monkeypatch: Any) -> None:
+    # Small pieces, so every run below is cut many times (at commas inside strings too).
+    monkeypatch.setattr(json_pieces, "PIECE_CHARS", 50)
+    body = {
+        "prompt": list(range(-500, 500)),
+        "enum": [f"v,{i}]" for i in range(300)],
+        "flat": [{"a": i, "b": [1, "x"], "c": None} for i in range(200)],
+        "deep": [[[i, {"k": [i]}]] for i in range(100)],
+        "bias": {str(i): -1.5 for i in range(300)},
+        "long": "s" * 500,
+        "odd": [1e300, -0.0, 2**80, True, False, None, '\u00e9\\"', []],
+    }
+    for indent in (None, 0, 3):
+        text = json.dumps(body, indent=indent)
+        assert same(json_pieces.loads(text), json.loads(text))
+    # A repeated key keeps its first place and its last value, as json.loads does.
+    text = '{"a": 1, "b": 2, ' + ", ".join(f'"k{i}": {i}' for i in range(50)) + ', "a": 3}'
+    assert same(json_pieces.loads(text), json.loads(text))
+
+
+def test_a_costly_body_parses_to_the_same_object() -> None:
+    raw = json.dumps(
+        {"model": "m", "prompt": [1000] * 200_000, "nan": float("nan")}, allow_nan=True
+    ).encode()
+    got, want = parse_json_object(raw), json.loads(raw)
+    assert list(got) == list(want) and got["prompt"] == want["prompt"]
+    assert got["nan"] != got["nan"]  # NaN, as json.loads reads it
 
 
 def test_forwarded_bytes_append_what_changed_to_the_clients_bytes() -> None:
