@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router import startup
-from router.body import content_coding, decode_body
+from router.body import content_coding
 from router.budget import peer_key
 from router.errors import APIError
 from router.forward import request_headers
@@ -105,11 +105,9 @@ class Handlers:
             ) from None
         if as_sent:
             return raw
-        body = await decode_body(coding, raw, limit)
-        # A body whose parse could hold the GIL long is parsed in another process first: one
-        # outside the limits is refused from there, never parsed here (router/json_check.py).
-        await self.gw.json_check.check(body, client)
-        return body
+        # Decoded, and a body whose parse could hold the GIL long parsed in another process
+        # first: one outside the limits is refused from there (router/json_check.py).
+        return await self.gw.json_check.body(raw, coding, client, limit)
 
     async def _receive(self, request: web.Request, client: str, limit: int) -> bytes:
         """The body's bytes, each chunk charged to ``client``'s share of the in-flight

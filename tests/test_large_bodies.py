@@ -4,14 +4,17 @@ appended (router/parse.py ``forwarded_bytes``), never serialised again whole."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
+import aiohttp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router import json_pieces
 from router.parse import forwarded_bytes, parse_json_object
+from tests.helpers import chat_body
 
 scalars = (
     st.none()
@@ -93,3 +96,40 @@ def test_forwarded_bytes_serialise_when_a_key_goes_or_the_text_is_not_utf8() -> 
     assert forwarded_bytes(raw, sent, {"model": "m"}) is None  # the salt removed
     utf16 = '{"model": "m"}'.encode("utf-16")
     assert forwarded_bytes(utf16, {"model": "m"}, {"model": "m", "cache_salt": "s"}) is None
+
+
+async def post_gzip(url: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with (
+        aiohttp.ClientSession(auto_decompress=False) as s,
+        s.post(url + "/v1/chat/completions", data=raw, headers=headers) as r,
+    ):
+        return r.status, await r.json()
+
+
+async def test_a_body_inflating_past_two_mib_is_inflated_by_the_checking_child(fleet, gateway):
+    """A compressed body is inflated here only up to 2 MiB: past that the checking child
+    inflates and checks it (a bomb never costs this process more), and it is inflated here
+    once it passed. Before, every compressed body was inflated whole here first, and one too
+    large or corrupt was refused before any check."""
+    replicas = await fleet(1)
+    gw = await gateway([replicas[0].url], max_body_bytes=4 * 1024 * 1024)
+    checks = gw.gateway.metrics.registry.get_sample_value
+    served = chat_body("large", metadata={"pad": "u" * 3_000_000})
+    status, body = await post_gzip(gw.url, gzip.compress(json.dumps(served).encode()))
+    assert status == 200, body
+    assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) == 1
+    assert replicas[0].stats["records"][-1]["prompt_tokens"] > 0  # forwarded, decoded
+
+    too_large = chat_body("large", metadata={"pad": "u" * 5_000_000})
+    status, body = await post_gzip(gw.url, gzip.compress(json.dumps(too_large).encode()))
+    assert status == 413, body
+    corrupt = gzip.compress(json.dumps(served).encode())[:-9]  # no end of stream
+    status, body = await post_gzip(gw.url, corrupt)
+    assert status == 400 and body["error"]["code"] == "invalid_content_encoding", body
+    assert checks("prefix_router_json_checks_total", {"outcome": "refused"}) == 2
+
+    small = gzip.compress(json.dumps(chat_body("small")).encode())  # inflated here, unchecked
+    status, body = await post_gzip(gw.url, small)
+    assert status == 200, body
+    assert checks("prefix_router_json_checks_total", {"outcome": "passed"}) == 1
