@@ -258,6 +258,37 @@ async def spaces_prompt(ctx: Ctx) -> None:
     )
 
 
+async def valid_large_bodies(ctx: Ctx) -> None:
+    """Tenant A, one sender: bodies within every limit but near the 1M-value cap, one of
+    each in turn: a completions prompt of 990k token ids (a 400: over the context once
+    parsed) and a chat whose structured-output schema has an enum of 990k strings
+    (forwarded)."""
+    prompt = json.dumps({"model": MODEL, "max_tokens": 1, "prompt": [1000] * 990_000})
+    schema = {"type": "string", "enum": [f"v{i}" for i in range(990_000)]}
+    chat = json.dumps(
+        {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "pick one"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "choice", "schema": schema},
+            },
+        }
+    )
+    bodies = [("/v1/completions", prompt.encode()), ("/v1/chat/completions", chat.encode())]
+    headers = {**bearer("a"), "Content-Type": "application/json"}
+    turn = 0
+
+    async def send(s: aiohttp.ClientSession) -> str:
+        nonlocal turn
+        path, body = bodies[turn % len(bodies)]
+        turn += 1
+        return await _post_status(s, ctx.url + path, body, headers)
+
+    await _repeat(ctx, 1, send)
+
+
 # The mixes in the order they run; ``baseline`` first. Add a mix here (name, coroutine).
 MIXES: list[tuple[str, Mix]] = [
     ("baseline", baseline),
@@ -267,6 +298,7 @@ MIXES: list[tuple[str, Mix]] = [
     ("byte_budget_hog", byte_budget_hog),
     ("connection_hog", connection_hog),
     ("spaces_prompt", spaces_prompt),
+    ("valid_large_bodies", valid_large_bodies),
 ]
 
 
