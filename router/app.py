@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -224,6 +225,9 @@ async def start_gateway(
     return RunningGateway(url, runner, app[GATEWAY_KEY])
 
 
+SWITCH_INTERVAL_S = 0.001  # sys.setswitchinterval for a served gateway (the default: 5 ms)
+
+
 def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoop) -> None:
     """Serve ``app`` until SIGINT/SIGTERM (``prefix-router serve``): aiohttp's ``run_app``
     with this module's runner, so the connection limits hold there too."""
@@ -241,6 +245,11 @@ def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoo
         finally:
             await runner.cleanup()
 
+    # A worker thread running Python (parsing a large body in pieces, rendering, hashing)
+    # keeps the GIL until the switch interval ends each time the event loop asks for it
+    # back, and answering one request asks several times (every socket call releases it):
+    # behind such a thread the loop's stalls over 5 ms added up to half as much at 1 ms.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     main = loop.create_task(serve())
     try:
         asyncio.set_event_loop(loop)
