@@ -1,18 +1,20 @@
 """The gateway's liveness under hostile traffic: the worst and median ``GET /health`` latency
 while each hostile mix runs, next to a benign baseline run in the same run, with the gateway
-(auth on, two tenants) in front of simulated replicas on loopback.
+(auth on, two tenants, precise mode) in front of simulated replicas on loopback.
 
     python -m loadtest.bench_hostile [--seconds 5] [--mixes baseline,gzip_bombs,...]
 
 Each mix runs in a process of its own for ``--seconds`` (after a second of build-up) while a
 prober sends ``GET /health`` every 10 ms from 127.0.0.1 and tenant B sends small chat
 requests, each on a new connection (so a full connection table shows). The hostile senders
-connect from 127.0.0.2: another peer. Printed:
+connect from 127.0.0.2: another peer. One replica's KV events come from a hostile publisher
+(a process of its own, silent but for the ``kv_*`` mixes: junk live messages, replays of
+junk, a 40 MB message, a 15 MB batch of 1.4M events, batches of 65,536 junk events). Printed:
 per mix, the probes' p50 and worst latency, the worst minus the baseline's worst (target:
 within 50 ms), how many of B's requests were served, and the hostile requests' answers.
 
-Mixes are a list of named coroutines (``MIXES``): a new one (e.g. junk KV events for a
-precise-mode gateway) is one function and one line there. Not a test: it prints figures.
+Mixes are a list of named coroutines (``MIXES``): a new one is one function and one line
+there. Not a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import contextlib
 import gzip
 import json
 import multiprocessing
+import queue
 import statistics
 import sys
 import tempfile
@@ -34,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import yaml
+import zmq
 
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 
@@ -52,6 +57,7 @@ class Ctx:
     stop: asyncio.Event
     answers: Counter[str] = field(default_factory=Counter)
     bombs: dict[str, bytes] = field(default_factory=dict)
+    kv: Any = None  # the hostile KV event publisher's command queue (kv_publisher)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -289,6 +295,95 @@ async def valid_large_bodies(ctx: Ctx) -> None:
     await _repeat(ctx, 1, send)
 
 
+# -- a hostile KV event publisher (the gateway runs in precise mode: one replica's events
+# come from it) ---------------------------------------------------------------------------
+KV_MESSAGES = 20_000  # junk messages per live or replay attack
+
+
+def kv_publisher(ports: Any, commands: Any, done: Any) -> None:
+    """In a process of its own (its CPU is a remote peer's): binds the event and replay
+    sockets, reports them on ``ports``, and runs each attack named on ``commands`` until
+    ``done``. Between attacks it is silent and answers replays with nothing."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    replay = ctx.socket(zmq.ROUTER)
+    for sock in (pub, replay):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.bind("tcp://127.0.0.1:*")
+    ports.put(
+        (pub.getsockopt_string(zmq.LAST_ENDPOINT), replay.getsockopt_string(zmq.LAST_ENDPOINT))
+    )
+    poller = zmq.Poller()
+    poller.register(pub, zmq.POLLIN)
+    poller.register(replay, zmq.POLLIN)
+    seq = 1000
+    junk_replays = False
+    end = (-1).to_bytes(8, "big", signed=True)
+
+    def s8(n: int) -> bytes:
+        return n.to_bytes(8, "big")
+
+    while not done.is_set():
+        for sock, _ in poller.poll(20):
+            frames = sock.recv_multipart()  # a subscription on pub: nothing to answer
+            if sock is replay and junk_replays:  # in sequence, payloads that are not msgpack
+                client, start = frames[0], int.from_bytes(frames[-1], "big")
+                for i in range(KV_MESSAGES):
+                    replay.send_multipart((client, b"", b"", s8(start + 1 + i), b"\xc1junk"))
+                replay.send_multipart((client, b"", b"", end, b""))
+            elif sock is replay:
+                replay.send_multipart((frames[0], b"", b"", end, b""))
+        try:
+            attack = commands.get_nowait()
+        except queue.Empty:
+            continue
+        junk_replays = attack == "kv_junk_replay"
+        if attack == "kv_junk_live":  # wrong frame counts, bad sequence frames, not msgpack
+            for i in range(KV_MESSAGES):
+                if i % 3 == 0:
+                    pub.send_multipart((b"", b"short"))
+                elif i % 3 == 1:
+                    pub.send_multipart((b"", b"bad seq", b"x"))
+                else:
+                    pub.send_multipart((b"", s8(seq + i), b"\xc1 not msgpack"))
+            seq += KV_MESSAGES
+        elif attack == "kv_junk_replay":  # gaps, each answered on replay with junk
+            for _ in range(3):
+                seq += 100
+                pub.send_multipart((b"", s8(seq), msgpack.packb([1.0, [], 0])))
+        elif attack == "kv_batch_40mb":  # over the message cap: ZMQ drops the peer
+            pub.send_multipart((b"", s8(seq), b"\x00" * (40 << 20)))
+            seq += 1
+        elif attack in ("kv_batch_15mb", "kv_65k_events"):
+            n = 1_400_000 if attack == "kv_batch_15mb" else 65_536
+            events = msgpack.packb({"type": "XXXX"}) * n
+            head = b"\x93" + msgpack.packb(1.0) + b"\xdd" + n.to_bytes(4, "big")
+            for i in range(1 if n > 65_536 else 20):
+                pub.send_multipart((b"", s8(seq + i), head + events + msgpack.packb(0)))
+            seq += 20
+    ctx.destroy(linger=0)
+
+
+def _kv_attack(name: str) -> Mix:
+    async def mix(ctx: Ctx) -> None:
+        while not ctx.stop.is_set():  # the attack again every second
+            ctx.kv.put(name)
+            ctx.answers["attacks"] += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ctx.stop.wait(), 1.0)
+
+    mix.__doc__ = f"The KV event publisher's {name} attack, once a second."
+    return mix
+
+
+kv_junk_live = _kv_attack("kv_junk_live")  # 20,000 junk live messages
+kv_junk_replay = _kv_attack("kv_junk_replay")  # gaps whose replays are 20,000 junk replies
+kv_batch_40mb = _kv_attack("kv_batch_40mb")  # one 40 MB message
+kv_batch_15mb = _kv_attack("kv_batch_15mb")  # 1.4M junk events in one 15 MB batch
+kv_65k_events = _kv_attack("kv_65k_events")  # 20 batches of 65,536 junk events (at the cap)
+
+
 # The mixes in the order they run; ``baseline`` first. Add a mix here (name, coroutine).
 MIXES: list[tuple[str, Mix]] = [
     ("baseline", baseline),
@@ -299,6 +394,11 @@ MIXES: list[tuple[str, Mix]] = [
     ("connection_hog", connection_hog),
     ("spaces_prompt", spaces_prompt),
     ("valid_large_bodies", valid_large_bodies),
+    ("kv_junk_live", kv_junk_live),
+    ("kv_junk_replay", kv_junk_replay),
+    ("kv_batch_40mb", kv_batch_40mb),
+    ("kv_batch_15mb", kv_batch_15mb),
+    ("kv_65k_events", kv_65k_events),
 ]
 
 
@@ -338,12 +438,12 @@ async def benign(url: str, stop: asyncio.Event, served: Counter[str]) -> None:
             await asyncio.sleep(0.05)
 
 
-def _hostile_main(name: str, url: str, seconds: float, conn: Any) -> None:
+def _hostile_main(name: str, url: str, seconds: float, conn: Any, kv: Any) -> None:
     """In a process of its own (so its client work does not delay the prober): run mix
     ``name`` for ``seconds``, then send back how the gateway answered it."""
 
     async def run() -> dict[str, int]:
-        ctx = Ctx(url, asyncio.Event())
+        ctx = Ctx(url, asyncio.Event(), kv=kv)
         if name in ("gzip_bombs", "explain_bombs"):
             ctx.bombs["gzip"] = gzip_bomb()
         conn.send("ready")
@@ -359,11 +459,11 @@ def _hostile_main(name: str, url: str, seconds: float, conn: Any) -> None:
     conn.send(asyncio.run(run()))
 
 
-async def run_mix(url: str, name: str, seconds: float) -> dict[str, Any]:
+async def run_mix(url: str, name: str, seconds: float, kv: Any = None) -> dict[str, Any]:
     parent, child = multiprocessing.get_context("spawn").Pipe()
     build_up = min(1.0, seconds / 5)  # the hostile load builds up before measuring
     proc = multiprocessing.get_context("spawn").Process(
-        target=_hostile_main, args=(name, url, build_up + seconds, child), daemon=True
+        target=_hostile_main, args=(name, url, build_up + seconds, child, kv), daemon=True
     )
     proc.start()
     try:
@@ -415,6 +515,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _gateway_flags(tmp: Path, hostile: str, event_ep: str, replay_ep: str) -> list[str]:
+    """Auth on with tenants a and b, the connection cap, and precise mode with replica
+    ``hostile``'s KV events coming from the hostile publisher (the other replica has none)."""
+    keys, config = tmp / "keys.yaml", tmp / "gateway.yaml"
+    keys.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": {t: {"keys": [k]} for t, k in KEYS.items()},
+                "salt_secrets": [{"secret": "bench-hostile-secret-0123456789abcdef"}],
+            }
+        )
+    )
+    endpoints = {hostile: {"endpoint": event_ep, "replay_endpoint": replay_ep}}
+    config.write_text(yaml.safe_dump({"kv_events": {"enabled": True, "endpoints": endpoints}}))
+    return [
+        "--config",
+        str(config),
+        "--auth",
+        "--api-keys-file",
+        str(keys),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+    ]
+
+
 async def amain(args: argparse.Namespace) -> list[dict]:
     names = args.mixes.split(",") if args.mixes else [n for n, _ in MIXES]
     chosen = dict(MIXES)
@@ -424,42 +549,41 @@ async def amain(args: argparse.Namespace) -> list[dict]:
     if names[0] != "baseline":
         names.insert(0, "baseline")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp, running() as procs:
-        keys = Path(tmp) / "keys.yaml"
-        keys.write_text(
-            yaml.safe_dump(
-                {
-                    "tenants": {t: {"keys": [k]} for t, k in KEYS.items()},
-                    "salt_secrets": [{"secret": "bench-hostile-secret-0123456789abcdef"}],
-                }
+    mp = multiprocessing.get_context("spawn")
+    ports, kv, done = mp.Queue(), mp.Queue(), mp.Event()
+    publisher = mp.Process(target=kv_publisher, args=(ports, kv, done), daemon=True)
+    publisher.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp, running() as procs:
+            event_ep, replay_ep = await asyncio.to_thread(ports.get, True, 60)
+            sim = start_replicas(2)
+            procs.append(sim)
+            gw = start_gateway(
+                sim.urls,
+                *_gateway_flags(Path(tmp), sim.urls[1], event_ep, replay_ep),
+                *args.gateway_args,
             )
-        )
-        sim = start_replicas(2)
-        procs.append(sim)
-        gw = start_gateway(
-            sim.urls,
-            "--auth",
-            "--api-keys-file",
-            str(keys),
-            "--max-connections",
-            str(MAX_CONNECTIONS),
-            *args.gateway_args,
-        )
-        procs.append(gw)
-        await wait_ready(gw.url, proc=gw)
-        await run_mix(gw.url, "baseline", 1.0)  # a warm-up: first requests' one-off costs
-        for name in names:
-            row = await run_mix(gw.url, name, args.seconds)
-            rows.append(row)
-            print(
-                f"{name}: /health p50 {row['p50_ms']:.1f} ms, worst {row['worst_ms']:.1f} ms, "
-                f"B {row['b_ok']}/{row['b_sent']}, hostile {row['hostile']}",
-                file=sys.stderr,
-                flush=True,
-            )
+            procs.append(gw)
+            await wait_ready(gw.url, proc=gw)
+            await run_mix(gw.url, "baseline", 1.0)  # a warm-up: first requests' one-off costs
+            for name in names:
+                row = await run_mix(gw.url, name, args.seconds, kv)
+                rows.append(row)
+                print(
+                    f"{name}: /health p50 {row['p50_ms']:.1f} ms, worst {row['worst_ms']:.1f} "
+                    f"ms, B {row['b_ok']}/{row['b_sent']}, hostile {row['hostile']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        done.set()
+        await asyncio.to_thread(publisher.join, 10)
+        if publisher.is_alive():
+            publisher.kill()
     print(
         f"Gateway with auth on (tenants a, b), 2 simulated replicas, max_connections "
-        f"{MAX_CONNECTIONS}; each mix {args.seconds:g} s; hostile senders from {HOSTILE_PEER}.\n"
+        f"{MAX_CONNECTIONS}, precise mode (one replica's KV events from a hostile publisher); "
+        f"each mix {args.seconds:g} s; hostile senders from {HOSTILE_PEER}.\n"
     )
     print(table(rows))
     return rows
