@@ -27,7 +27,6 @@ import json
 import multiprocessing
 import queue
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -41,6 +40,7 @@ import msgpack
 import yaml
 import zmq
 
+from loadtest import benchkit
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 
 KEYS = {"a": "sk-bench-hostile-a-0123456789", "b": "sk-bench-hostile-b-9876543210"}
@@ -489,7 +489,9 @@ async def run_mix(url: str, name: str, seconds: float, kv: Any = None) -> dict[s
         "mix": name,
         "probes": len(lags),
         "p50_ms": statistics.median(lags) * 1e3 if lags else float("nan"),
-        "p99_ms": statistics.quantiles(lags, n=100)[98] * 1e3 if len(lags) > 1 else float("nan"),
+        "p99_ms": statistics.quantiles(lags, n=100, method="inclusive")[98] * 1e3
+        if len(lags) > 1
+        else float("nan"),
         "worst_ms": max(lags) * 1e3 if lags else float("nan"),
         "b_ok": served.get("200", 0),
         "b_sent": sum(served.values()),
@@ -500,19 +502,27 @@ async def run_mix(url: str, name: str, seconds: float, kv: Any = None) -> dict[s
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["worst_ms"]
-    out = [
-        "| mix | /health probes | p50 ms | p99 ms | worst ms | worst - baseline worst | B served | hostile answers |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in rows:
         delta = r["worst_ms"] - base
-        out.append(
-            f"| {r['mix']} | {r['probes']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-            f"{r['worst_ms']:.1f} | "
-            f"{delta:+.1f}{'' if delta <= 50 else ' (over 50)'} | {r['b_ok']}/{r['b_sent']}"
-            f"{' ' + str(r['b_other']) if r['b_other'] else ''} | {r['hostile'] or '-'} |"
+        b_other = f" {r['b_other']}" if r["b_other"] else ""
+        cells.append(
+            (
+                r["mix"],
+                r["probes"],
+                f"{r['p50_ms']:.1f}",
+                f"{r['p99_ms']:.1f}",
+                f"{r['worst_ms']:.1f}",
+                f"{delta:+.1f}{'' if delta <= 50 else ' (over 50)'}",
+                f"{r['b_ok']}/{r['b_sent']}{b_other}",
+                r["hostile"] or "-",
+            )
         )
-    return "\n".join(out)
+    return benchkit.markdown(
+        "mix | /health probes | p50 ms | p99 ms | worst ms | worst - baseline worst | "
+        "B served | hostile answers",
+        cells,
+    )
 
 
 def _gateway_flags(tmp: Path, hostile: str, event_ep: str, replay_ep: str) -> list[str]:
@@ -541,11 +551,7 @@ def _gateway_flags(tmp: Path, hostile: str, event_ep: str, replay_ep: str) -> li
 
 
 async def amain(args: argparse.Namespace) -> list[dict]:
-    names = args.mixes.split(",") if args.mixes else [n for n, _ in MIXES]
-    chosen = dict(MIXES)
-    for n in names:
-        if n not in chosen:
-            raise SystemExit(f"unknown mix {n!r}; choose from {', '.join(chosen)}")
+    names = benchkit.subset(args.mixes, [n for n, _ in MIXES], "mix")
     if names[0] != "baseline":
         names.insert(0, "baseline")
     rows = []
@@ -569,11 +575,9 @@ async def amain(args: argparse.Namespace) -> list[dict]:
             for name in names:
                 row = await run_mix(gw.url, name, args.seconds, kv)
                 rows.append(row)
-                print(
+                benchkit.progress(
                     f"{name}: /health p50 {row['p50_ms']:.1f} ms, worst {row['worst_ms']:.1f} "
-                    f"ms, B {row['b_ok']}/{row['b_sent']}, hostile {row['hostile']}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"ms, B {row['b_ok']}/{row['b_sent']}, hostile {row['hostile']}"
                 )
     finally:
         done.set()
@@ -590,13 +594,10 @@ async def amain(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_hostile",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = benchkit.parser(
+        "loadtest.bench_hostile", __doc__, seconds=(5.0, "measured seconds per mix"), json=True
     )
-    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per mix")
-    p.add_argument("--mixes", help=f"comma-separated subset of {', '.join(n for n, _ in MIXES)}")
+    benchkit.add_subset(p, "--mixes", [n for n, _ in MIXES])
     p.add_argument(
         "--gateway-arg",
         dest="gateway_args",
@@ -605,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         help="an extra flag for prefix-router serve (repeatable, e.g. --gateway-arg=--workers=2)",
     )
     args = p.parse_args(argv)
-    asyncio.run(amain(args))
+    benchkit.write_json(args.json, asyncio.run(amain(args)))
     return 0
 
 
