@@ -186,6 +186,7 @@ def make_runner(app: web.Application, config: Config, **kwargs: Any) -> GatewayR
             config.limits.max_connections, config.limits.client_share
         ),
         unauthenticated_keepalive_s=config.limits.unauthenticated_keepalive_s,
+        peer_refusals_per_s=config.limits.peer_refusals_per_s,
     )
     gateway = app.get(GATEWAY_KEY)
 

@@ -14,7 +14,10 @@ deadline for a request head (slowloris), and its own protocol errors in OpenAI's
   answer, and a pooling client could read an unsolicited answer as that of its next request).
 - ``max_connections_per_peer``: one peer address (an IPv6 /64) holds at most this many of
   them (its share, ``client_share`` of the cap); a connection beyond it is answered like one
-  beyond the cap, so one client cannot take every slot.
+  beyond the cap, so one client cannot take every slot. Only ``peer_refusals_per_s`` of those
+  are answered per peer (a token bucket); its other ones are closed as they are accepted,
+  unread: a peer reconnecting in a loop (~3,000 connections/s from one process on loopback,
+  each answered and closed) kept the event loop ~90% busy.
 - ``keepalive_timeout_s``: an idle keep-alive connection is closed (aiohttp's own timer).
   Until a connection has carried a request whose tenant was identified (``mark_identified``:
   a valid key with auth on, any API request without), it gets
@@ -53,6 +56,7 @@ class ConnectionLimits:
     keepalive_timeout_s: float = 75.0
     max_connections_per_peer: int = 10_000
     unauthenticated_keepalive_s: float = 75.0
+    peer_refusals_per_s: float = 10.0
 
 
 def raw_response(status: int, error: APIError) -> bytes:
@@ -111,6 +115,7 @@ class GatewayProtocol(RequestHandler):
         self._limits = manager.limits
         self._on_refused = manager.on_refused
         self._counted = False
+        self._shed = False  # closed as accepted: aiohttp never saw it
         self._peer = ""
         self._identified = False
         self._extended_to = -1.0  # the keep-alive deadline last lengthened for _identified
@@ -126,12 +131,17 @@ class GatewayProtocol(RequestHandler):
         peername = transport.get_extra_info("peername")
         self._peer = peer_key(peername[0] if isinstance(peername, tuple) and peername else None)
         held = server.peers[self._peer] = server.peers.get(self._peer, 0) + 1
-        if server.open_connections > self._limits.max_connections:
+        # A peer beyond its share first: at the cap too, its connections are its own excess.
+        if held > self._limits.max_connections_per_peer:
+            self._on_refused("peer_connections")
+            if not server.may_answer(self._peer):
+                self._shed = True
+                transport.close()
+                return
+            self._request_handler = self._over_capacity(self._request_handler, per_peer=True)
+        elif server.open_connections > self._limits.max_connections:
             self._on_refused("connections")
             self._request_handler = self._over_capacity(self._request_handler)
-        elif held > self._limits.max_connections_per_peer:
-            self._on_refused("peer_connections")
-            self._request_handler = self._over_capacity(self._request_handler, per_peer=True)
         super().connection_made(transport)
         self._arm_head_timer()
 
@@ -146,6 +156,9 @@ class GatewayProtocol(RequestHandler):
                     server.peers[self._peer] = left
                 else:
                     server.peers.pop(self._peer, None)
+                    server.refusals.pop(self._peer, None)
+        if self._shed:
+            return
         self._cancel_head_timer()
         super().connection_lost(exc)
 
@@ -201,6 +214,8 @@ class GatewayProtocol(RequestHandler):
             self._head_timer = None
 
     def data_received(self, data: bytes) -> None:
+        if self._shed:
+            return
         waiting = self._waiter is not None and not self._waiter.done() and not self._messages
         if data and waiting and self._head_timer is None:
             self._arm_head_timer()  # the first byte of a keep-alive connection's next request
@@ -269,6 +284,19 @@ class GatewayServer(web.Server):
         self.on_refused = on_refused
         self.open_connections = 0
         self.peers: dict[str, int] = {}  # open connections per peer (router/budget.py's key)
+        # Per peer over its share: (tokens, when) of its answered-refusals bucket.
+        self.refusals: dict[str, tuple[float, float]] = {}
+
+    def may_answer(self, peer: str) -> bool:
+        """Whether a connection from ``peer`` beyond its share may be answered (a token of
+        the peer's bucket: ``peer_refusals_per_s``, as many at once)."""
+        rate = self.limits.peer_refusals_per_s
+        full, now = max(rate, 1.0), self._loop.time()
+        tokens, when = self.refusals.get(peer, (full, now))
+        tokens = min(full, tokens + (now - when) * rate)
+        answer = tokens >= 1.0
+        self.refusals[peer] = (tokens - 1.0 if answer else tokens, now)
+        return answer
 
     def __call__(self) -> GatewayProtocol:
         return GatewayProtocol(self, loop=self._loop, **self._kwargs)

@@ -291,6 +291,41 @@ async def test_one_peer_cannot_hold_every_connection_slot(fleet, gateway):
         writer.close()
 
 
+async def test_a_peer_reconnecting_beyond_its_share_is_closed_unanswered(fleet, gateway):
+    """A peer holding its share and opening more: the first connection beyond it is
+    answered (its probe; a request would get the 503), then, with the peer's refusal bucket
+    empty, the next ones are closed as they are accepted, unread and unanswered (a reconnect
+    loop costs the loop an accept and a close). Another peer is served meanwhile."""
+    replicas = await fleet(1)
+    gw = await gateway(
+        [replicas[0].url], max_connections=8, keepalive_timeout_s=60, peer_refusals_per_s=0.01
+    )
+    held = [await hold_after_health(gw.url, "127.0.0.2") for _ in range(2)]  # its share
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    answers = []
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+        try:
+            answers.append(await asyncio.wait_for(reader.read(), ANSWER_WAIT_S))
+        except ConnectionResetError:  # closed with the request unread
+            answers.append(b"")
+        writer.close()
+    assert answers[0].startswith(b"HTTP/1.1 200"), answers[0]
+    assert answers[1:] == [b""] * 4, answers
+    status, body = await request(
+        gw.url, chat_body("served"), path="/v1/chat/completions", peer="127.0.0.3"
+    )
+    assert status == 200, body
+    assert gw.runner.server.open_connections == 2  # the share, still held
+    rejected = gw.gateway.metrics.registry.get_sample_value(
+        "prefix_router_rejected_requests_total", {"reason": "peer_connections"}
+    )
+    assert rejected == 5
+    for _, writer, _ in held:
+        writer.close()
+
+
 async def test_a_connection_that_identified_no_request_gets_a_short_keep_alive(fleet, gateway):
     """A keep-alive connection that only did GET /health is closed after
     unauthenticated_keepalive_s; one that carried an identified request keeps the long

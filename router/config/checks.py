@@ -80,6 +80,7 @@ def problems(config: Config) -> list[str]:
         "header_timeout_s",
         "keepalive_timeout_s",
         "unauthenticated_keepalive_s",
+        "peer_refusals_per_s",
         "max_tokenize_cpu_s",
     )
     for name in positive:

@@ -220,6 +220,11 @@ class Limits:
         "the keep-alive of a connection that has not yet carried a request with a valid key "
         "(with auth off: any API request); probes and keyless clients do not hold slots",
     )
+    peer_refusals_per_s: float = _opt(
+        10.0,
+        "connections beyond a peer's share answered per second (a 503, probes answered); its "
+        "other ones are closed as they are accepted, unread (a reconnect flood costs little)",
+    )
     max_json_depth: int = _opt(64, "deepest JSON nesting accepted inside any field of a body")
     max_json_nodes: int = _opt(1_000_000, "most JSON values (objects, arrays, scalars) in a body")
     max_string_chars: int = _opt(8 * 1024 * 1024, "longest JSON string (or key) in a body")
