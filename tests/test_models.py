@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.bundled import tokenizer_dir
 from router.fleet import Replica
@@ -207,6 +209,22 @@ def test_text_prefix_fallback_shares_prefixes() -> None:
     assert common >= 140 and one[0] != other[0]
     assert fallback.prompt_ids(None, {"prompt": [5, 6, 7]}) == [5, 6, 7]
     assert len(fallback.prompt_ids(None, {"prompt": "abcdefgh"})) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-5, 300), st.integers(0, 300)), max_size=120),
+    st.integers(1, 30),
+)
+def test_drift_ratio_kept_as_running_sums_equals_the_window_sum(
+    reports: list[tuple[int, int]], window: int
+) -> None:
+    w = DriftWatch(window=window, min_samples=1)
+    for predicted, reported in reports:
+        w.observe(predicted, reported)
+        total = sum(p for p, _ in w.samples)
+        over = sum(max(0, p - r) for p, r in w.samples)
+        assert w.ratio() == (over / total if total else 0.0)
 
 
 def test_drift_watch_flags_consistent_over_prediction() -> None:
