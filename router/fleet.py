@@ -96,15 +96,19 @@ class Replica:
         return min((m for m, parent in self.models.items() if parent is None), default=None)
 
     def candidate(self, matched_blocks: int) -> Candidate:
+        stats = self.stats
+        # Positional, in Candidate's field order: keywords cost a dict per call (4 per
+        # decision). url, matched_blocks, inflight, pending_prefill_tokens, waiting,
+        # running, kv_usage, ttft_s.
         return Candidate(
-            url=self.url,
-            matched_blocks=matched_blocks,
-            inflight=self.inflight + self.remote_inflight,
-            pending_prefill_tokens=self.pending_prefill_tokens + self.remote_prefill_tokens,
-            waiting=self.stats.waiting,
-            running=self.stats.running,
-            kv_usage=self.stats.kv_usage,
-            ttft_s=self.ttft.get(),
+            self.url,
+            matched_blocks,
+            self.inflight + self.remote_inflight,
+            self.pending_prefill_tokens + self.remote_prefill_tokens,
+            stats.waiting,
+            stats.running,
+            stats.kv_usage,
+            self.ttft.get(),
         )
 
 

@@ -221,7 +221,7 @@ class Renderer:
             ids.extend(state.ids)
             base_chars = state.chars
         base_tokens = len(ids)
-        ids.extend(seg.encode_cuts(text[base_chars:] if base_chars else text, base_tokens, cuts))
+        seg.encode_cuts(text[base_chars:] if base_chars else text, cuts, ids)
         ids.prefix = state
         stored: list[PrefixState] = []
         if cuts:  # the whole prompt up to its last added token: the next turn extends it

@@ -180,6 +180,7 @@ class SegmentTokenizer:
         use_cache: bool,
         base_tokens: int = 0,
         cuts: list[tuple[int, int]] | None = None,
+        out: array[int] | None = None,
     ) -> array[int]:
         """``text``'s ids, segment by segment. ``base_tokens``: tokens before ``text`` in the
         prompt (a cached prefix), counted against the token bound. ``cuts``: if given, gets
@@ -240,7 +241,11 @@ class SegmentTokenizer:
                     self._put(key, ids)
             if use_cache:
                 self.misses += len(missing)
-        out = array("I")  # cached segments are arrays: extending copies memory, not ints
+        # Cached segments are arrays: extending copies memory, not ints. ``out``: the array
+        # to append to (a prefix state's ids: no second copy of the new ids).
+        if out is None:
+            out = array("I")
+        start = len(out)
         k = 0
         if cuts is None:
             for p in pieces:
@@ -256,7 +261,7 @@ class SegmentTokenizer:
             if isinstance(p, int):
                 out.append(p)
                 pos += len(added_text[p])
-                cuts.append((pos, len(out)))
+                cuts.append((pos, len(out) - start))
             else:
                 out.extend(found[keys[k]])
                 pos += len(p)
@@ -344,10 +349,11 @@ class SegmentTokenizer:
         self._put(self._key(piece), list(ids))
         self.misses += 1
 
-    def encode_cuts(self, text: str, base_tokens: int, cuts: list[tuple[int, int]]) -> array[int]:
-        """``encode(text, False)`` on the segment path, noting in ``cuts`` where an added
-        token ends (see ``_encode_split``); ``text`` follows ``base_tokens`` cached ones."""
-        return self._encode_split(text, use_cache=True, base_tokens=base_tokens, cuts=cuts)
+    def encode_cuts(self, text: str, cuts: list[tuple[int, int]], out: array[int]) -> array[int]:
+        """``encode(text, False)`` on the segment path appended to ``out`` (whose ids, a
+        cached prefix's, precede ``text``), noting in ``cuts`` where an added token ends
+        (see ``_encode_split``; counted from ``text``'s start)."""
+        return self._encode_split(text, use_cache=True, base_tokens=len(out), cuts=cuts, out=out)
 
     def contained_added(self) -> bool:
         """Whether an added token holds another one inside it (then a cut after an added

@@ -108,18 +108,21 @@ class Pipeline:
         cycle = Cycle(req, candidates, ring, self.recent)
         removed = self._removed(cycle)
         scored = []
+        scorers = self.scorers
         for c in candidates:
-            terms = {s.name: w * s.score(cycle, c) for s, w in self.scorers}
+            terms = {s.name: w * s.score(cycle, c) for s, w in scorers}
             f = removed.get(c.url)
+            # Positional, in the field order (url, matched_blocks, load, cost, terms,
+            # filtered, filtered_by): keywords cost a dict per candidate.
             scored.append(
                 ScoredCandidate(
-                    url=c.url,
-                    matched_blocks=cycle.held(c),
-                    load=c.load,
-                    cost=sum(terms.values()),
-                    terms=terms,
-                    filtered=f.reason if f else None,
-                    filtered_by=f.name if f else None,
+                    c.url,
+                    cycle.held(c),
+                    c.load,
+                    sum(terms.values()),
+                    terms,
+                    f.reason if f else None,
+                    f.name if f else None,
                 )
             )
         pick = self.picker.pick(cycle, scored)
