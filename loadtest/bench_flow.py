@@ -42,6 +42,7 @@ import yaml
 from loadtest.noisy import FLOODER, TENANT_HEADER, NoisyParams, noisy_workload, quiet_names
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RequestRecord, RunResult, run_workload
+from loadtest.workloads import pressure
 
 RUNS = ("baseline", "off", "on", "on-idle")
 PHASES = ("before", "during", "after")
@@ -73,6 +74,10 @@ async def run_one(
     flood = run in ("off", "on")
     params = NoisyParams(**{**p.__dict__, "flood_factor": p.flood_factor if flood else 0.0})
     workload = noisy_workload(params)
+    max_seconds = params.duration_s + 1.0
+    if args.workload == "pressure":  # one tenant's view of a busy fleet: what on costs
+        workload = pressure(seed=args.seed, conversations=args.conversations)
+        max_seconds = args.conversations / 4.0 + 60.0
     await reset_caches(replica_urls)
     with running() as procs:
         gw = start_gateway(replica_urls, "--config", str(gateway_config(tmp, run, p)))
@@ -82,7 +87,7 @@ async def run_one(
             GatewayTarget(gw.url, replica_urls, policy="default", name=run),
             workload,
             concurrency=args.concurrency,
-            max_seconds=params.duration_s + 1.0,
+            max_seconds=max_seconds,
             request_timeout_s=args.timeout,
             progress=False,
             label=run,
@@ -128,6 +133,44 @@ def summarise(result: RunResult, p: NoisyParams) -> dict[str, Any]:
     row["duration_s"] = result.duration_s
     row["errors_by_status"] = result.errors_by_status
     return row
+
+
+def pressure_row(result: RunResult) -> dict[str, Any]:
+    sent = [r for r in result.records if r.sent_s is not None]
+    t = [r.ttft_s for r in sent if r.ok and r.ttft_s is not None]
+    ok = sum(r.ok for r in sent)
+    return {
+        "run": result.label,
+        "ok": ok,
+        "sent": len(sent),
+        "duration_s": result.duration_s,
+        "throughput": ok / result.duration_s if result.duration_s else math.nan,
+        "p50": pct(t, 50),
+        "p99": pct(t, 99),
+        "fleet_hit": result.fleet_hit_rate,
+        "ideal_hit": result.ideal_hit_rate,
+        "hit_ratio": result.hit_ratio,
+        "errors": dict(result.errors_by_status),
+        "lost": result.lost,
+    }
+
+
+def pressure_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| run | ok / sent | seconds | ok req/s | TTFT p50 / p99 ms | fleet hit | ideal "
+        "| hit / ideal | errors | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hit = "n/a" if r["fleet_hit"] is None else f"{100 * r['fleet_hit']:.1f}%"
+        ideal = "n/a" if r["ideal_hit"] is None else f"{100 * r['ideal_hit']:.1f}%"
+        ratio = "n/a" if r["hit_ratio"] is None else f"{r['hit_ratio']:.3f}"
+        out.append(
+            f"| {r['run']} | {r['ok']} / {r['sent']} | {r['duration_s']:.0f} | "
+            f"{r['throughput']:.2f} | {ms(r['p50'])} / {ms(r['p99'])} | {hit} | {ideal} | "
+            f"{ratio} | {r['errors'] or 0} | {r['lost']} |"
+        )
+    return "\n".join(out)
 
 
 def ms(v: float) -> str:
@@ -183,7 +226,8 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
+async def amain(args: argparse.Namespace, trace: list[str]) -> list[dict[str, Any]]:
+    """The runs' rows; ``trace`` gets a JSON line per request (for --trace)."""
     runs = args.runs.split(",")
     for r in runs:
         if r not in RUNS:
@@ -211,8 +255,16 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
         procs.append(sim)
         for run in runs:
             result = await run_one(run, sim.urls, Path(tmp), p, args)
+            if args.workload == "pressure":
+                rows.append(pressure_row(result))
+                print(f"{run}: {rows[-1]}", file=sys.stderr, flush=True)
+                continue
             row = summarise(result, p)
             rows.append(row)
+            for rec in result.records if args.trace else []:
+                d = rec.to_json()
+                d.update(run=run, phase=p.phase(rec.scheduled_s))
+                trace.append(json.dumps(d) + "\n")
             print(
                 f"{run}: {result.sent} sent in {result.duration_s:.0f} s, quiet during p99 "
                 f"{ms(row['quiet_during']['p99'])} ms, flooder 429 {row['flood_429']}, "
@@ -220,6 +272,16 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
                 file=sys.stderr,
                 flush=True,
             )
+    if args.workload == "pressure":
+        print(
+            f"Workload: {pressure(seed=args.seed, conversations=args.conversations).description}."
+        )
+        print(
+            f"{args.replicas} simulated replicas (prefill {args.prefill_tokens_per_s:g} "
+            f"tokens/s, decode {args.decode_tokens_per_s:g} tokens/s); seed {args.seed}.\n"
+        )
+        print(pressure_table(rows))
+        return rows
     quiet_load = p.quiet_tenants * p.quiet_rate * p.question_tokens
     capacity = args.replicas * args.prefill_tokens_per_s
     print(f"Workload: {noisy_workload(p).description}.")
@@ -253,15 +315,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood", type=float, default=30.0, help="seconds of flood")
     p.add_argument("--after", type=float, default=15.0, help="seconds after the flood")
     p.add_argument("--runs", default="baseline,off,on", help=f"subset of {', '.join(RUNS)}")
+    p.add_argument(
+        "--workload",
+        choices=("noisy_neighbour", "pressure"),
+        default="noisy_neighbour",
+        help="pressure: issue 15's many-tenant workload (one tenant to flow control) through "
+        "runs off and on, to see what flow control costs a busy fleet without a flood",
+    )
+    p.add_argument("--conversations", type=int, default=240, help="pressure: conversations")
     p.add_argument("--concurrency", type=int, default=4096)
     p.add_argument("--timeout", type=float, default=150.0, help="per request, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="5 / 10 / 5 s phases (a smoke run)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="also write every request (tenant, phase, replica, TTFT, gateway queue wait) as "
+        "JSON lines",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.before, args.flood, args.after = 5.0, 10.0, 5.0
-    rows = asyncio.run(amain(args))
+    trace: list[str] = []
+    rows = asyncio.run(amain(args, trace))
+    if args.trace:
+        Path(args.trace).write_text("".join(trace))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
     on = next((r for r in rows if r["run"] == "on"), None)

@@ -44,6 +44,7 @@ from router.bundled import tokenizer_dir
 
 REPLICA_HEADER = "x-prefix-router-replica"
 CACHED_BLOCKS_HEADER = "x-prefix-router-cached-blocks"
+QUEUED_HEADER = "x-prefix-router-queued-ms"  # flow control: how long it waited in the gateway
 CLIENT_POLICIES = ("round_robin", "random")
 try:  # the gateway's registry, ttft first; without the gateway, client-side baselines only
     from router.schedule import policy_names
@@ -232,6 +233,7 @@ class RequestRecord:
     output_chars: int = 0
     harness_prompt_tokens: int | None = None
     ideal_cached_tokens: int | None = None
+    queued_ms: float | None = None  # waited in the gateway's flow-control queue
     # in memory only (not written to requests.jsonl)
     spec: RequestSpec | None = field(default=None, repr=False)
     answer: str | None = field(default=None, repr=False)
@@ -546,6 +548,9 @@ async def _do_request(
             if hdr is not None:
                 with contextlib.suppress(ValueError):
                     rec.predicted_cached_blocks = int(hdr)
+            if (queued := resp.headers.get(QUEUED_HEADER)) is not None:
+                with contextlib.suppress(ValueError):
+                    rec.queued_ms = float(queued)
             if resp.status != 200:
                 rec.error = _error_message(await resp.text())
             elif not stream:
