@@ -111,6 +111,29 @@ async def test_weights_decide_the_order_of_release(setup: Setup) -> None:
     assert setup.gw.gateway.flow.in_prefill(MODEL) == 0
 
 
+async def test_tenants_under_their_share_go_before_a_busy_tenant_first_come_first_served(
+    setup: Setup,
+) -> None:
+    """x and y used less than busy (x two requests, y one): queued behind busy's backlog,
+    they go first, and among themselves in arrival order (not y first for having used
+    less): reordering light tenants only moves waiting from one to the other."""
+    for rid, tenant, i in (("x0", "x", 0), ("x1", "x", 1), ("y0", "y", 2)):
+        status, _, _ = await setup.send(rid, tenant, i)  # the fleet is idle: no queue
+        assert status == 200
+    await setup.hold()
+    work = [await setup.enqueue(f"busy{i}", "busy", i) for i in range(8)]
+    await setup.release()
+    assert [r[0] for r in await finish(work)] == [200] * 8
+    await setup.hold()
+    tasks = [await setup.enqueue(f"busy{i}", "busy", i) for i in range(8, 10)]
+    for rid, tenant, i in (("x2", "x", 3), ("y1", "y", 4), ("x3", "x", 5), ("y2", "y", 6)):
+        tasks.append(await setup.enqueue(rid, tenant, i))
+    await setup.release()
+    assert [r[0] for r in await finish(tasks)] == [200] * 6
+    # plain start-time fair queuing alternated them with busy: x2, y1, busy8, x3, busy9, y2
+    assert setup.served()[-6:] == ["x2", "y1", "x3", "y2", "busy8", "busy9"]
+
+
 async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:
     status, _, idle = await post(
         setup.http, setup.gw.url + "/v1/route/explain", body(0), {"X-Tenant": "b"}

@@ -148,8 +148,11 @@ def problems(config: Config) -> list[str]:
         )
     if not 0 < config.flow.flow_kv_usage_max <= 1 or config.flow.flow_ttft_max_s < 0:
         problems.append("flow_kv_usage_max must be in (0, 1] and flow_ttft_max_s >= 0")
-    if config.flow.flow_decode_token_cost < 0 or config.flow.flow_history_tokens < 0:
-        problems.append("flow_decode_token_cost and flow_history_tokens must be >= 0")
+    f = config.flow
+    if min(f.flow_decode_token_cost, f.flow_history_tokens, f.flow_burst_tokens) < 0:
+        problems.append(
+            "flow_decode_token_cost, flow_history_tokens and flow_burst_tokens must be >= 0"
+        )
     try:
         check_config(config.routing)
     except ScheduleError as e:

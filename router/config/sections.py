@@ -410,6 +410,11 @@ class Flow:
         "how much of a tenant's past work (tokens per unit weight) may hold it back when a "
         "queue forms, e.g. work other gateways report",
     )
+    flow_burst_tokens: float = _opt(
+        4096.0,
+        "work (tokens per unit weight) a tenant that used less than its share may send ahead "
+        "of busier tenants when it queues again, so its bursts do not wait behind a flood",
+    )
 
 
 @dataclass

@@ -50,6 +50,7 @@ class FlowConfig:
     decode_token_cost: float = 1.0  # prefill tokens one expected output token costs
     default_output_tokens: int = 256  # expected output when the request gives no max_tokens
     history_tokens: float = 200_000.0  # how far past usage may hold a tenant back (per weight)
+    burst_tokens: float = 4096.0  # credit an under-share tenant may spend ahead (fairqueue)
     tick_s: float = 0.05  # re-check the replicas' signals this often while requests wait
 
     @classmethod
@@ -67,6 +68,7 @@ class FlowConfig:
             queue_timeout_s=config.flow_queue_timeout_s,
             decode_token_cost=config.flow_decode_token_cost,
             history_tokens=config.flow_history_tokens,
+            burst_tokens=config.flow_burst_tokens,
         )
 
 
@@ -253,7 +255,9 @@ class FlowController:
     def queue(self, model: str) -> FairQueue[_Waiter]:
         q = self.queues.get(model)
         if q is None:
-            q = self.queues[model] = FairQueue(max_lead=self.config.history_tokens)
+            q = self.queues[model] = FairQueue(
+                max_lead=self.config.history_tokens, burst=self.config.burst_tokens
+            )
         return q
 
     def capacity(self, model: str) -> Capacity | None:

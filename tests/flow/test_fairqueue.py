@@ -142,3 +142,66 @@ def test_a_lower_band_goes_only_when_no_higher_entry_can():
     first = q.pop(lambda e: e.item != "crit")
     assert first is not None and first.item == "low"
     assert drain(q) == ["crit"]
+
+
+def busy_band(q: FairQueue[str], light: dict[str, int], busy: int) -> None:
+    """``light`` tenants did so many requests of cost 100 each, then ``busy`` did ``busy``
+    (all dispatched, nothing queued): the band's virtual time is busy's last start."""
+    for tenant, n in light.items():
+        for _ in range(n):
+            q.charge("standard", tenant, 100, 1, dispatched=True)
+    for i in range(busy):
+        push(q, f"old{i}", "busy")
+    drain(q)
+
+
+def test_an_under_share_tenant_spends_its_credit_first_and_no_more():
+    q: FairQueue[str] = FairQueue(burst=250)
+    busy_band(q, {"light": 1}, busy=10)  # busy's last start: 900; light's finish: 100
+    for i in range(4):
+        push(q, f"busy{i}", "busy")
+    for i in range(5):
+        push(q, f"light{i}", "light")
+    # light starts 250 behind the band (650), not at its finish (100): its tags 650, 750,
+    # 850, 950 come before busy's next (1000), then the two alternate
+    assert drain(q) == [
+        "light0",
+        "light1",
+        "light2",
+        "light3",
+        "busy0",
+        "light4",
+        "busy1",
+        "busy2",
+        "busy3",
+    ]
+
+
+def test_a_tenant_never_seen_has_no_credit():
+    q: FairQueue[str] = FairQueue(burst=1000)
+    busy_band(q, {}, busy=5)
+    push(q, "busy5", "busy")
+    push(q, "new0", "new")
+    push(q, "new1", "new")
+    # new starts at the band's virtual time (400), busy's next at 500: new, then they alternate
+    assert drain(q) == ["new0", "busy5", "new1"]
+
+
+def test_under_share_tenants_go_first_come_first_served_among_themselves():
+    q: FairQueue[str] = FairQueue(burst=1000)
+    busy_band(q, {"x": 3, "y": 1}, busy=10)  # x's finish 300, y's 100: both under 900
+    push(q, "busy10", "busy")
+    push(q, "x0", "x")
+    push(q, "y0", "y")
+    push(q, "x1", "x")
+    # by tags y0 (100) would go before x0 (300); first come, first served instead
+    assert drain(q) == ["x0", "y0", "x1", "busy10"]
+
+
+def test_without_credit_it_is_plain_start_time_fair_queuing():
+    q: FairQueue[str] = FairQueue()
+    busy_band(q, {"light": 1}, busy=10)
+    push(q, "busy10", "busy")
+    push(q, "light0", "light")
+    push(q, "light1", "light")
+    assert drain(q) == ["light0", "busy10", "light1"]
