@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from router.config import Config
 from router.fleet import Fleet
-from router.flow.controller import Ticket
+from router.flow.ticket import Ticket
 from router.forward import STREAM_ERROR_SHAPES, Outcome
 from router.forwarding import Attempt, Ending, Job
 from router.metrics import Metrics

@@ -1,7 +1,8 @@
 """Flow control: fair queuing per tenant while the fleet is saturated (docs/flow-control.md).
 
 ``fairqueue`` (the order), ``saturation`` (when to hold back), ``ratelimit`` (per-minute
-limits), ``sessions`` (which flow inside a tenant), ``controller`` (the asyncio glue),
+limits), ``sessions`` (which flow inside a tenant), ``controller`` (admission, release, shedding:
+the asyncio glue), ``ticket`` (a released request's slot), ``metrics``,
 ``shared`` (per-tenant usage across gateways through Redis). Nothing is imported here, so
 ``router.tenancy`` can read ``router.flow.settings`` without pulling in the rest.
 """

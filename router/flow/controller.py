@@ -10,6 +10,8 @@ the replicas can start them.
                                          queue-time deadline, rate limits)
     ticket.first_byte() / ticket.done() (the slot is free again)
 
+The ticket (``ticket.py``) gives its slot back; the metrics are in ``metrics.py``; the
+order among tenants is ``fairqueue.py``'s and each replica's room ``saturation.py``'s.
 Nothing here decides where a request goes: a released request is routed by the scheduler
 as any other, so prefix affinity is kept. A client that leaves while queued is taken out of
 the queue at once (its waiting task is cancelled), and every counter is given back in a
@@ -23,21 +25,20 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from router.errors import APIError
 from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
+from router.flow.metrics import FlowMetrics
 from router.flow.ratelimit import RateLimiter
 from router.flow.saturation import Capacity, ReplicaView, Thresholds, capacity
 from router.flow.settings import FlowSettings
+from router.flow.ticket import Ticket, shed_error
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.flow")
-
-_WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,122 +86,11 @@ class FlowRequest:
     stream: bool
 
 
-class FlowMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.depth = Gauge(
-            "prefix_router_flow_queue_depth",
-            "Requests waiting in the gateway's flow-control queue, by band",
-            ["band"],
-            registry=r,
-        )
-        self.wait = Histogram(
-            "prefix_router_flow_queue_wait_seconds",
-            "Time queued requests waited before release, by band",
-            ["band"],
-            buckets=_WAIT_BUCKETS,
-            registry=r,
-        )
-        self.released = Counter(
-            "prefix_router_flow_released",
-            "Requests released to the scheduler, by band and whether they waited",
-            ["band", "waited"],
-            registry=r,
-        )
-        self.shed = Counter(
-            "prefix_router_flow_shed",
-            "Requests refused with a 429 by flow control, by tenant and reason (queue_full, "
-            "overflow, queue_timeout, rate_requests, rate_tokens)",
-            ["tenant", "reason"],
-            registry=r,
-        )
-        self.in_prefill = Gauge(
-            "prefix_router_flow_in_prefill",
-            "Requests this gateway released that have not had their first byte yet",
-            registry=r,
-        )
-        self.saturated = Gauge(
-            "prefix_router_flow_saturated",
-            "1 while some model's replicas have no free prefill slot (requests queue)",
-            registry=r,
-        )
-        self.remote_usage = Counter(
-            "prefix_router_flow_remote_usage_tokens",
-            "Work (tokens) other gateways reported for a tenant through Redis (fleet mode)",
-            ["tenant"],
-            registry=r,
-        )
-
-
 @dataclass(eq=False)
 class _Waiter:
     future: asyncio.Future[None]
     ticket: Ticket
     holders: tuple[str, ...] = ()  # replicas holding its longest cached prefix
-
-
-@dataclass(eq=False)
-class Ticket:
-    """A request admitted by flow control: holds one prefill slot of its model from release
-    to its first byte (or its end). ``done`` is idempotent and always called."""
-
-    controller: FlowController | None
-    model: str
-    tenant: str
-    band: str
-    weight: float
-    session: str = ""
-    cost: float = 0.0
-    queued_s: float = 0.0
-    why: str = ""  # why it waited (empty: it did not)
-    headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers
-    held: bool = False
-    replica: str | None = None  # where its slot is reserved (None: not placed yet)
-    charged: bool = False  # its cost is already in the fair queue's accounting
-    _timer: asyncio.TimerHandle | None = None
-
-    def decided(self, replica: str, uncached_tokens: int, output_tokens: int) -> None:
-        """The scheduler placed it on ``replica``: its slot is counted there, and the tenant
-        is charged what it costs (if the queue did not already)."""
-        if self.controller is not None:
-            self.controller._decided(self, replica, uncached_tokens, output_tokens)
-
-    def sent(self, uncached_tokens: int, stream: bool) -> None:
-        """Forwarded. A non-streamed answer's first byte comes after its whole decode: its
-        slot is freed once its prefill should be over (at the prefill speed streamed answers
-        showed), or at its first byte if that comes first."""
-        c = self.controller
-        if stream or not self.held or c is None or self._timer is not None or not c.prefill_tps:
-            return
-        seconds = 0.05 + uncached_tokens / c.prefill_tps
-        self._timer = asyncio.get_running_loop().call_later(seconds, self.first_byte)
-
-    def observed(self, uncached_tokens: int, first_byte_s: float) -> None:
-        """A streamed first byte: teaches the prefill speed non-streamed requests use."""
-        if self.controller is not None and uncached_tokens >= 256 and first_byte_s > 0:
-            self.controller.learn_prefill(uncached_tokens / first_byte_s)
-
-    def first_byte(self) -> None:
-        if self.held and self.controller is not None:
-            self.held = False
-            self.controller._release(self.model, self.replica)
-
-    def done(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.first_byte()
-
-
-def shed_error(
-    status_message: str, code: str, retry_after: float, headers: dict[str, str]
-) -> APIError:
-    return APIError(
-        429,
-        status_message,
-        code=code,
-        headers={**headers, "Retry-After": str(max(1, math.ceil(retry_after)))},
-    )
 
 
 class FlowController:
@@ -443,7 +333,7 @@ class FlowController:
         ticket.held, ticket.replica = True, replica
         self.metrics.in_prefill.inc()
 
-    def _release(self, model: str, replica: str | None) -> None:
+    def slot_free(self, model: str, replica: str | None) -> None:
         slots = self.reserved[model]
         slots[replica] -= 1
         if not slots[replica]:
@@ -451,7 +341,7 @@ class FlowController:
         self.metrics.in_prefill.dec()
         self.pump(model)
 
-    def _decided(self, ticket: Ticket, replica: str, uncached: int, output_tokens: int) -> None:
+    def slot_decided(self, ticket: Ticket, replica: str, uncached: int, output_tokens: int) -> None:
         if ticket.held and ticket.replica != replica:  # the slot moves where it was placed
             slots = self.reserved[ticket.model]
             slots[ticket.replica] -= 1
