@@ -61,6 +61,7 @@ class _Band(Generic[T]):
         self.vtime = 0.0
         self.tenants: dict[str, _Flow[T]] = {}
         self.heap: list[tuple[float, int, str, int]] = []
+        self.tops: list[tuple[float, int, str, int]] = []  # the same, tags negated (max first)
         self.size = 0
 
 
@@ -130,7 +131,25 @@ class FairQueue(Generic[T]):
 
     def _push_tenant(self, band: _Band[T], name: str, t: _Flow[T]) -> None:
         t.version += 1
-        heapq.heappush(band.heap, (t.start, next(self._seq), name, t.version))
+        seq = next(self._seq)
+        heapq.heappush(band.heap, (t.start, seq, name, t.version))
+        if self.burst:
+            heapq.heappush(band.tops, (-t.start, seq, name, t.version))
+            if len(band.tops) > 64 + 2 * len(band.heap):  # stale entries buried under the top
+                band.tops = [x for x in band.tops if self._valid(band, x)]
+                heapq.heapify(band.tops)
+
+    @staticmethod
+    def _valid(band: _Band[T], item: tuple[float, int, str, int]) -> bool:
+        tenant = band.tenants.get(item[2])
+        return tenant is not None and tenant.version == item[3] and tenant.size > 0
+
+    def _top(self, band: _Band[T]) -> float:
+        """The highest start tag of a backlogged tenant (the busiest's), or the band's
+        virtual time if that is higher."""
+        while band.tops and not self._valid(band, band.tops[0]):
+            heapq.heappop(band.tops)
+        return max(band.vtime, -band.tops[0][0]) if band.tops else band.vtime
 
     def peek_band(self) -> str | None:
         """The band the next ``pop`` takes from."""
@@ -147,16 +166,18 @@ class FairQueue(Generic[T]):
         for the next tenant in order (at most ``max_scan`` tenants a band); a lower band is
         looked at only when no entry of the higher ones can go.
 
-        With credit (``burst``), the tenants whose start tag is behind the band's virtual
-        time (all using less than the busiest) go first come, first served among
-        themselves, as the replica would have served them: ordering them by tag would only
-        move waiting from one light tenant to another."""
+        With credit (``burst``), the tenants whose start tag is below the busiest's (the
+        highest backlogged tag, or the band's virtual time if higher) go first come, first
+        served among themselves, as the replica would have served them: ordering them by
+        tag would only move waiting from one light tenant to another. The busiest goes when
+        none of them can."""
         for name in BANDS:
             band = self.bands[name]
             if not band.size:
                 continue
             skipped: list[tuple[float, int, str, int]] = []
             best: tuple[tuple[float, int, str, int], _Flow[T], str, _Flow[T]] | None = None
+            top = self._top(band) if self.burst else 0.0
             try:
                 while band.heap and len(skipped) < max_scan:
                     item = heapq.heappop(band.heap)
@@ -165,7 +186,7 @@ class FairQueue(Generic[T]):
                         continue  # stale
                     sname, session = self._head_session(tenant)
                     head = session.queue[0]
-                    light = self.burst > 0 and item[0] < band.vtime
+                    light = self.burst > 0 and item[0] < top
                     if best is not None and not light:
                         skipped.append(item)  # the light ones come first
                         break

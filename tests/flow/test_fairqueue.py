@@ -205,3 +205,18 @@ def test_without_credit_it_is_plain_start_time_fair_queuing():
     push(q, "light0", "light")
     push(q, "light1", "light")
     assert drain(q) == ["light0", "busy10", "light1"]
+
+
+def test_first_come_first_served_below_the_busiest_even_ahead_of_the_virtual_time():
+    # a flood has just begun with one costly request: the band's virtual time is still
+    # where the quiet tenants are, but both are far below the flood's next tag
+    q: FairQueue[str] = FairQueue(burst=1000)
+    q.charge("standard", "x", 100, 1, dispatched=True)  # x's finish 100
+    q.charge("standard", "y", 100, 1, dispatched=True)
+    q.charge("standard", "y", 100, 1, dispatched=True)  # y's finish 200; virtual time 100
+    push(q, "flood0", "flood", cost=1000)
+    assert drain(q) == ["flood0"]  # flood's next tag: 1100
+    push(q, "flood1", "flood")
+    push(q, "y0", "y")  # tag 200
+    push(q, "x0", "x")  # tag 100
+    assert drain(q) == ["y0", "x0", "flood1"]
