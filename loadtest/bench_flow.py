@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
     on = next((r for r in rows if r["run"] == "on"), None)
-    return 1 if on is not None and (on["lost"] or on["other_errors"]) else 0
+    return 1 if on is not None and (on["lost"] or on.get("other_errors")) else 0
 
 
 if __name__ == "__main__":
