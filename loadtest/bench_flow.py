@@ -39,6 +39,7 @@ import aiohttp
 import numpy as np
 import yaml
 
+from loadtest import benchkit
 from loadtest.noisy import FLOODER, TENANT_HEADER, NoisyParams, noisy_workload, quiet_names
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RequestRecord, RunResult, run_workload
@@ -178,25 +179,29 @@ def ms(v: float) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = [
-        "| run | quiet p50 / p99 ms before | during | after | quiet 429 | flooder p50 / p99 ms "
-        "| flooder ok / 429 / sent | fleet hit | ideal | hit / ideal | other errors | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    cells = []
     for r in rows:
-        phases = " | ".join(
-            f"{ms(r[f'quiet_{ph}']['p50'])} / {ms(r[f'quiet_{ph}']['p99'])}" for ph in PHASES
-        )
-        hit = "n/a" if r["fleet_hit"] is None else f"{100 * r['fleet_hit']:.1f}%"
-        ideal = "n/a" if r["ideal_hit"] is None else f"{100 * r['ideal_hit']:.1f}%"
-        ratio = "n/a" if r["hit_ratio"] is None else f"{r['hit_ratio']:.3f}"
+        phases = [f"{ms(r[f'quiet_{ph}']['p50'])} / {ms(r[f'quiet_{ph}']['p99'])}" for ph in PHASES]
         flood = f"{ms(r['flood_p50'])} / {ms(r['flood_p99'])}" if r["flood_sent"] else "-"
-        out.append(
-            f"| {r['run']} | {phases} | {r['quiet_429']} | {flood} | "
-            f"{r['flood_ok']} / {r['flood_429']} / {r['flood_sent']} | {hit} | {ideal} | "
-            f"{ratio} | {r['other_errors']} | {r['lost']} |"
+        cells.append(
+            (
+                r["run"],
+                *phases,
+                r["quiet_429"],
+                flood,
+                f"{r['flood_ok']} / {r['flood_429']} / {r['flood_sent']}",
+                benchkit.pct(r["fleet_hit"]),
+                benchkit.pct(r["ideal_hit"]),
+                "n/a" if r["hit_ratio"] is None else f"{r['hit_ratio']:.3f}",
+                r["other_errors"],
+                r["lost"],
+            )
         )
-    return "\n".join(out)
+    return benchkit.markdown(
+        "run | quiet p50 / p99 ms before | during | after | quiet 429 | flooder p50 / p99 ms | "
+        "flooder ok / 429 / sent | fleet hit | ideal | hit / ideal | other errors | lost",
+        cells,
+    )
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
@@ -228,10 +233,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 
 async def amain(args: argparse.Namespace, trace: list[str]) -> list[dict[str, Any]]:
     """The runs' rows; ``trace`` gets a JSON line per request (for --trace)."""
-    runs = args.runs.split(",")
-    for r in runs:
-        if r not in RUNS:
-            raise SystemExit(f"unknown run {r!r}; choose from {', '.join(RUNS)}")
+    runs = benchkit.subset(args.runs, RUNS, "run")
     p = NoisyParams(
         seed=args.seed,
         quiet_rate=args.quiet_rate,
@@ -299,10 +301,8 @@ async def amain(args: argparse.Namespace, trace: list[str]) -> list[dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_flow",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = benchkit.parser(
+        "loadtest.bench_flow", __doc__, seed=0, quick="5 / 10 / 5 s phases (a smoke run)", json=True
     )
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--prefill-tokens-per-s", type=float, default=560.0)
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=float, default=10.0, help="seconds before the flood")
     p.add_argument("--flood", type=float, default=30.0, help="seconds of flood")
     p.add_argument("--after", type=float, default=15.0, help="seconds after the flood")
-    p.add_argument("--runs", default="baseline,off,on", help=f"subset of {', '.join(RUNS)}")
+    benchkit.add_subset(p, "--runs", RUNS, default="baseline,off,on")
     p.add_argument(
         "--workload",
         choices=("noisy_neighbour", "pressure"),
@@ -325,9 +325,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=240, help="pressure: conversations")
     p.add_argument("--concurrency", type=int, default=4096)
     p.add_argument("--timeout", type=float, default=150.0, help="per request, seconds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="5 / 10 / 5 s phases (a smoke run)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument(
         "--trace",
         metavar="FILE",
@@ -341,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(amain(args, trace))
     if args.trace:
         Path(args.trace).write_text("".join(trace))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
+    benchkit.write_json(args.json, rows)
     on = next((r for r in rows if r["run"] == "on"), None)
     return 1 if on is not None and (on["lost"] or on.get("other_errors")) else 0
 
