@@ -20,7 +20,7 @@ MODELS = {"llama3": "meta-llama/Meta-Llama-3-8B-Instruct", "deepseek_v3": "deeps
 def family_dir(family: str) -> Path:
     """The family's tokenizer directory, or a skip (a failure when they are required)."""
     d = default_dir() / family
-    if not complete(d):
+    if not complete(d, FAMILIES[family][2]):
         why = f"{family} test tokenizer not fetched (python tools/fetch_test_tokenizers.py)"
         if os.environ.get("PREFIX_ROUTER_REQUIRE_TOKENIZERS") == "1":
             pytest.fail(why)

