@@ -237,8 +237,9 @@ async def proxy(
     on_sent: Callable[[], Awaitable[None]] | None = None,
     stream_error: StreamErrorShape = "openai",
     headers_timeout: float | None = None,
+    method: str = "POST",
 ) -> tuple[web.StreamResponse, Outcome]:
-    """POST ``body`` to ``url`` and relay the answer to ``request``'s client.
+    """Send ``body`` to ``url`` (``method``, POST by default) and relay the answer to ``request``'s client.
 
     ``on_sent`` runs while the replica works (``UpstreamPool.post``); ``on_first_byte`` when
     its first body bytes arrive (for a stream, the end of its prefill). Raises
@@ -247,7 +248,9 @@ async def proxy(
     ``headers_timeout`` bounds the wait for response headers (default: the pool's)."""
     start = time.perf_counter()
     try:
-        upstream = await pool.post(url, body, headers, on_sent, timeout=headers_timeout)
+        upstream = await pool.post(
+            url, body, headers, on_sent, timeout=headers_timeout, method=method
+        )
     except UpstreamError as e:
         raise UpstreamUnavailable(e.why) from e
     try:

@@ -9,9 +9,10 @@ another replica before the first byte, release on every path out.
         failed before the first byte:   the replica's failure recorded, job.unavailable, next
         every path out:                 accounting released, job.done(attempt, ending, outcome)
 
-The routed endpoints (router/routed.py) and the forwarded ones (router/api/forwarded.py,
-/tokenize) differ only in their ``Job``: what they pick, what they add to the answer's headers
-and what they learn from it. The accounting is written once, here, so no path out of a
+The routed endpoints (router/routed.py), the forwarded ones (router/api/forwarded.py: POSTs
+and ``GET /version``; /tokenize) and a stored response's GET, DELETE and cancel (pinned to its
+replica, router/api/routes.py) differ only in their ``Job``: its method, what it picks, what it
+adds to the answer's headers and what it learns from it. The accounting is written once, here, so no path out of a
 request can leave a count behind.
 """
 
@@ -77,10 +78,13 @@ class Job:
 
     stream_error: StreamErrorShape = "openai"  # the API's shape for an error mid-stream
 
-    def __init__(self, path: str, body: bytes, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self, path: str, body: bytes, headers: Mapping[str, str], method: str = "POST"
+    ) -> None:
         self.path = path  # appended to the replica's URL
         self.body = body
         self.headers = headers
+        self.method = method
 
     async def pick(self, fleet: Fleet, tried: frozenset[str]) -> Attempt | None:
         """The next replica to try (``tried`` failed already); None when none is left.
@@ -141,6 +145,20 @@ class ModelJob(Job):
             return await super().pick(fleet, tried)
         replica = least_loaded(self.serving(self.model, tried))
         return Attempt(replica) if replica is not None else None
+
+
+class PinnedJob(Job):
+    """A request about what one replica holds (a stored response): to that replica only;
+    if it fails, no other replica can answer (a 502)."""
+
+    def __init__(
+        self, path: str, headers: Mapping[str, str], method: str, replica: Replica
+    ) -> None:
+        super().__init__(path, b"", headers, method)
+        self.replica = replica
+
+    async def pick(self, fleet: Fleet, tried: frozenset[str]) -> Attempt | None:
+        return None if tried else Attempt(self.replica)
 
 
 class Forwarder:
@@ -237,6 +255,7 @@ class Forwarder:
                 on_sent=job.on_sent(attempt),
                 stream_error=job.stream_error,
                 headers_timeout=job.headers_timeout(attempt),
+                method=job.method,
             )
             first_byte()  # a whole (non-streamed) answer: its first byte came with the rest
             ending = Ending.ANSWERED

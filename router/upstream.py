@@ -257,8 +257,10 @@ class UpstreamPool:
         on_sent: Callable[[], Awaitable[None]] | None = None,
         *,
         timeout: float | None = None,
+        method: str = "POST",
     ) -> Response:
-        """Send the request; return once the response headers are in. Raises
+        """Send the request (``method``, ``body`` even if empty: a ``Content-Length: 0`` on a
+        GET is valid HTTP/1.1); return once the response headers are in. Raises
         ``UpstreamError`` if no response started (always safe to retry elsewhere).
         ``timeout`` bounds the wait for headers (default ``read_timeout``).
 
@@ -267,7 +269,13 @@ class UpstreamPool:
         runs on the event loop between the caller's last step and ``on_sent``)."""
         origin, path = _split(url)
         host, port, sslctx, host_header = self._origin(origin)
-        head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nHost: ", host_header]
+        head = [
+            method.encode("ascii"),
+            b" ",
+            path.encode("ascii"),
+            b" HTTP/1.1\r\nHost: ",
+            host_header,
+        ]
         for k, v in headers.items():
             if "\n" in v or "\r" in v:  # never let a value (say, a configured key) split lines
                 continue

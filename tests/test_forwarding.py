@@ -46,6 +46,27 @@ async def test_tokenize_is_counted_in_flight_released_and_retried(fleet, gateway
         assert all(r.pending_prefill_tokens == 0 for r in state.values())
 
 
+async def test_a_forwarded_get_takes_the_same_path(fleet, gateway):
+    """``GET /version`` (no body) is retried, counted and released like any POST."""
+    replicas = await fleet(2)
+    gw = await gateway([r.url for r in replicas], eject_after_failures=5)
+    state = gw.gateway.fleet.replicas
+    first = min(replicas, key=lambda r: r.url)
+    async with aiohttp.ClientSession() as s:
+        first.fail_next(1, status=503)
+        async with s.get(gw.url + "/version") as resp:
+            assert resp.status == 200 and "version" in await resp.json()
+        assert first.stats["injected_failures"] == 1  # it failed first, then the other answered
+
+        first.hang_next(1)
+        held = asyncio.create_task(s.get(gw.url + "/version"))
+        await wait_for(lambda: _true(first.hanging == 1), what="the replica holds it")
+        assert state[first.url].inflight == 1
+        held.cancel()
+        await wait_for(lambda: _true(state[first.url].inflight == 0), what="in flight released")
+        assert all(r.pending_requests == 0 for r in state.values())
+
+
 class _Seen:
     events: ClassVar[list[tuple[str, str, Any]]] = []  # (hook, replica, status)
 

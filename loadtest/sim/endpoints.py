@@ -133,6 +133,8 @@ class Endpoints:
         return web.Response(status=self.r.health_status)
 
     async def version(self, request: web.Request) -> web.Response:
+        self.r.faults.check()  # armed faults hit /version too (a gateway forwards it)
+        await self.r.faults.hang()
         return json_response({"version": VLLM_VERSION})
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -4,17 +4,15 @@ replica before the first byte. JSON bodies, and multipart ones (audio uploads) a
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from aiohttp import web
 
 from router.body import decode_body
 from router.errors import APIError, bad_request
 from router.fleet import Fleet
-from router.forwarding import Attempt, Job, least_loaded, load_order
+from router.forwarding import Attempt, Job, least_loaded
 from router.parse import forwarded_bytes
 
 if TYPE_CHECKING:
@@ -110,32 +108,12 @@ async def forward_post(
     return await gateway.forwarder.forward(request, request_id, job)
 
 
-async def forward_get(handlers: Handlers, request: web.Request, request_id: str) -> web.Response:
-    """``/version`` and the like: the first healthy replica's answer, as vLLM gives it."""
-    gateway = handlers.gw
+async def forward_get(
+    handlers: Handlers, request: web.Request, request_id: str
+) -> web.StreamResponse:
+    """``/version`` and the like: the least-loaded healthy replica's answer, as vLLM gives it."""
     handlers.identify(request)
-    assert gateway.fleet is not None and gateway.session is not None
-    headers = {"X-Request-Id": request_id}
-    if gateway.config.forwarding.upstream_api_key:
-        headers["Authorization"] = f"Bearer {gateway.config.forwarding.upstream_api_key}"
-    for replica in sorted(gateway.fleet.healthy(), key=load_order):
-        try:
-            async with gateway.session.get(
-                replica.url + request.path_qs,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=gateway.config.forwarding.connect_timeout_s + 10
-                ),
-            ) as up:
-                body = await up.read()
-                if up.status in (502, 503):
-                    continue
-                ctype = up.headers.get("Content-Type", "application/json")
-                return web.Response(
-                    status=up.status,
-                    body=body,
-                    headers={"Content-Type": ctype, "x-request-id": request_id},
-                )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            await gateway.fleet.record_failure(replica, type(e).__name__)
-    raise APIError(503, "no healthy replica is available", code="no_replica")
+    headers = handlers.upstream_headers(request)
+    headers.popall("Content-Type", None)  # no body
+    job = Job(request.path_qs, b"", headers, method="GET")
+    return await handlers.gw.forwarder.forward(request, request_id, job)

@@ -16,16 +16,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from aiohttp import web
 
 from router.api import anthropic
 from router.api.forwarded import GET_PATHS, POST_PATHS, forward_get, forward_post
 from router.api.response_ids import ResponseReplicas, new_response_id, response_id_in
 from router.errors import APIError, bad_request, clip
-from router.forward import HOP_BY_HOP, request_headers
+from router.forwarding import PinnedJob
 
 if TYPE_CHECKING:
+    from router.fleet import Replica
     from router.forward import Outcome
     from router.gateway import Gateway
     from router.handlers import Handlers
@@ -116,9 +116,10 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         response_id = request.match_info["response_id"]
         replica = await ids.lookup(response_id, tenant)
         assert gateway.fleet is not None
-        if replica is None or replica not in gateway.fleet.replicas:
+        held = gateway.fleet.replicas.get(replica) if replica is not None else None
+        if held is None:
             raise not_found(response_id)
-        resp = await _relay(routes, request, replica, request[REQUEST_ID])
+        resp = await _relay(routes, request, held, request[REQUEST_ID])
         if request.method == "DELETE" and resp.status == 200:
             ids.forget(response_id)
             await ids.unshare(response_id)
@@ -150,43 +151,11 @@ def _anthropic_error(e: APIError, request_id: str) -> web.Response:
 
 
 async def _relay(
-    routes: Handlers, request: web.Request, replica: str, request_id: str
+    routes: Handlers, request: web.Request, replica: Replica, request_id: str
 ) -> web.StreamResponse:
-    """``request`` (no body) to ``replica``, its answer streamed back (``GET ...?stream=true``
-    replays a background response's events)."""
-    gateway = routes.gw
-    assert gateway.session is not None
-    headers = request_headers(
-        request.headers,
-        request_id,
-        gateway.config.forwarding.upstream_api_key,
-        not gateway.config.auth.enabled,
-        gateway.forward_allow,
-    )
-    del headers["Content-Type"]
-    timeout = aiohttp.ClientTimeout(
-        sock_connect=gateway.config.forwarding.connect_timeout_s,
-        sock_read=gateway.config.forwarding.idle_timeout_s,
-    )
-    out: web.StreamResponse | None = None
-    try:
-        async with gateway.session.request(
-            request.method, replica + request.path_qs, headers=headers, timeout=timeout
-        ) as up:
-            out = web.StreamResponse(status=up.status)
-            for k, v in up.headers.items():
-                if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id":
-                    out.headers.add(k, v)
-            out.headers["x-request-id"] = request_id
-            await out.prepare(request)
-            async for chunk in up.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
-    except (aiohttp.ClientError, TimeoutError) as e:
-        if out is not None and out.prepared:
-            request.protocol.force_close()  # cut mid-answer: the client must not take it whole
-            return out
-        raise APIError(
-            502, f"upstream replica unavailable ({type(e).__name__})", code="upstream_unavailable"
-        ) from None
+    """``request`` (no body) to ``replica`` through the one forwarding path, its answer
+    relayed (``GET ...?stream=true`` replays a background response's events)."""
+    headers = routes.upstream_headers(request)
+    headers.popall("Content-Type", None)  # no body
+    job = PinnedJob(request.path_qs, headers, request.method, replica)
+    return await routes.gw.forwarder.forward(request, request_id, job)
