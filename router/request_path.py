@@ -259,8 +259,13 @@ class RequestPath:
         )
         if prefix is not None and known is None:
             prefix.keep_hashes(root, size, hashes)
-        for state in getattr(token_ids, "stored", ()):
-            state.keep_hashes(root, size, hashes)
+        stored = getattr(token_ids, "stored", ())
+        if stored:
+            for state in stored:
+                state.keep_hashes(root, size, hashes)
+            # A new state may hold these ids until it is first used (PrefixState): the ids
+            # holding it back would be a cycle, freed only by the garbage collector.
+            token_ids.stored = ()  # type: ignore[attr-defined]
         return hashes
 
     async def complete(self, rr: RoutedRequest) -> RoutedRequest:

@@ -34,22 +34,43 @@ DEFAULT_PREFIX_STATE_TOKENS = 2_000_000
 _MAX_ROOTS = 8  # hash chains kept per state: one per (salt + adapter root, block size)
 
 
+# A state's ids are sliced out of its prompt's on first use when the prompt has at most this
+# many ids more (the whole prompt's state: the generation prompt after its last added token);
+# else at once, so a state never keeps much more than its own ids alive.
+_LAZY_IDS_SLACK = 64
+
+
 class PrefixState:
     """A rendered prompt prefix that ends with an added token, and its ids and hashes.
 
-    The text is the first ``chars`` characters of a prompt the state was cut from, sliced
-    on first use: a state most requests never extend (a conversation's latest turn) then
-    costs no copy of its prompt."""
+    The text is the first ``chars`` characters of a prompt the state was cut from, and the
+    ids the first ``tokens`` of its ids, both sliced on first use: a state most requests
+    never extend (a conversation's latest turn) then costs no copy of its prompt. (The
+    prompt's ids may grow after it, never change: only what follows ``tokens`` would.)"""
 
-    __slots__ = ("_text", "chars", "hashes", "ids", "source")
+    __slots__ = ("_ids", "_text", "chars", "hashes", "source", "source_ids", "tokens")
 
-    def __init__(self, source: str, chars: int, ids: array[int]) -> None:
+    def __init__(self, source: str, chars: int, ids: array[int], tokens: int) -> None:
         self.source: str | None = source  # the prompt, until the text is sliced out of it
         self.chars = chars
         self._text: str | None = None
-        self.ids = ids
+        self.tokens = tokens
+        lazy = len(ids) - tokens <= _LAZY_IDS_SLACK
+        # the prompt's ids, until this state's are sliced out of them
+        self.source_ids: array[int] | None = ids if lazy else None
+        self._ids: array[int] | None = None if lazy else ids[:tokens]
         # (root hash, block size) -> hashes of the full blocks of ``ids``
         self.hashes: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    @property
+    def ids(self) -> array[int]:
+        ids = self._ids
+        if ids is None:
+            source = self.source_ids
+            assert source is not None
+            ids = self._ids = source[: self.tokens]
+            self.source_ids = None
+        return ids
 
     @property
     def text(self) -> str:
@@ -70,7 +91,7 @@ class PrefixState:
     def keep_hashes(self, root: int, block_size: int, hashes: Sequence[int]) -> None:
         """Remember the first ``len(ids) // block_size`` of a prompt's block hashes (those
         the prompt shares with this state), if ``hashes`` has them all."""
-        n = len(self.ids) // block_size
+        n = self.tokens // block_size
         if n and len(hashes) >= n and len(self.hashes) < _MAX_ROOTS:
             self.hashes.setdefault((root, block_size), tuple(hashes[:n]))
 
@@ -163,17 +184,17 @@ class PrefixStates:
             if old is not None and old.chars == chars and text.startswith(old.text):
                 self._states.move_to_end(key)
                 return None
-        state = PrefixState(text, chars, ids[:tokens])
+        state = PrefixState(text, chars, ids, tokens)
         with self._lock:
             old = self._states.get(key)
             if old is not None:
-                self.tokens -= len(old.ids)
+                self.tokens -= old.tokens
             self._states[key] = state
             self._states.move_to_end(key)
             self.tokens += tokens
             while self.tokens > self.max_tokens and self._states:
                 _, evicted = self._states.popitem(last=False)
-                self.tokens -= len(evicted.ids)
+                self.tokens -= evicted.tokens
         return state
 
     def info(self) -> dict[str, int]:

@@ -231,6 +231,22 @@ def test_the_next_turn_extends_the_previous_request() -> None:
     assert list(ids) == reference.tokenize_chat(body)
 
 
+def test_a_state_shares_its_prompts_ids_until_first_used() -> None:
+    """The whole prompt's state keeps a reference to the prompt's ids, not a copy; the next
+    turn slices its ids out of them (and gets the full path's ids)."""
+    live, reference = Renderer(tokenizer()), family("qwen3")[1]
+    first = [SYSTEM, {"role": "user", "content": "q1"}]
+    ids = live.chat_ids(_chat(*first))
+    assert isinstance(ids, PromptIds)
+    (state,) = [s for s in ids.stored if s.tokens > len(ids) - 8]  # up to the last added token
+    assert state.source_ids is ids and state._ids is None
+    body = _chat(*first, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"})
+    again = live.chat_ids(body)
+    assert isinstance(again, PromptIds) and again.prefix is state
+    assert state.source_ids is None and list(state.ids) == list(ids[: state.tokens])
+    assert list(again) == reference.tokenize_chat(body)
+
+
 def test_qwen3_dropping_earlier_reasoning_is_detected_and_takes_the_full_path() -> None:
     """Qwen3 renders an assistant turn's reasoning only after the last user query: once a
     new user turn follows, the earlier rendering changes and the state must not be used."""
