@@ -109,15 +109,21 @@ class Pipeline:
         removed = self._removed(cycle)
         scored = []
         scorers = self.scorers
+        limit = cycle.limit
+        holders = 0
         for c in candidates:
-            terms = {s.name: w * s.score(cycle, c) for s, w in scorers}
+            terms = {}
+            for s, w in scorers:
+                terms[s.name] = w * s.score(cycle, c)
             f = removed.get(c.url)
+            held = c.matched_blocks if c.matched_blocks < limit else limit  # cycle.held(c)
+            holders += held > 0
             # Positional, in the field order (url, matched_blocks, load, cost, terms,
             # filtered, filtered_by): keywords cost a dict per candidate.
             scored.append(
                 ScoredCandidate(
                     c.url,
-                    cycle.held(c),
+                    held,
                     c.load,
                     sum(terms.values()),
                     terms,
@@ -126,7 +132,11 @@ class Pipeline:
                 )
             )
         pick = self.picker.pick(cycle, scored)
-        chosen = next(s for s in scored if s.url == pick.replica)
+        for chosen in scored:
+            if chosen.url == pick.replica:
+                break
+        else:  # a picker chooses among the candidates
+            raise ValueError(f"picker {self.picker.name} chose {pick.replica!r}: not a candidate")
         reason = pick.branch.value if pick.branch is not None else self.name
         cause, copied = None, 0
         if pick.branch is Branch.SPILL:
@@ -141,7 +151,7 @@ class Pipeline:
             ring_choice=pick.ring_choice,
             why=pick.why,
             cause=cause,
-            holders=sum(1 for s in scored if s.matched_blocks > 0),
+            holders=holders,
             copied_blocks=copied,
             prefix_key=routing_key(req),
         )

@@ -27,11 +27,17 @@ def load_bound(c: float, loads: Sequence[float]) -> int:
     return math.ceil(c * (sum(loads) + 1) / len(loads)) + LOAD_SLACK
 
 
+# Ring orders memoised per key (a prefix's block 0: a tenant's system prompt) while the
+# members stay; the memo is emptied when it holds this many.
+ORDER_MEMO = 4096
+
+
 class HashRing:
     def __init__(self, members: Iterable[str] = (), virtual_nodes: int = 160) -> None:
         self.virtual_nodes = virtual_nodes
         self._points: list[int] = []
         self._owners: list[str] = []
+        self._orders: dict[int, tuple[str, ...]] = {}
         self.members: tuple[str, ...] = ()
         self.set_members(members)
 
@@ -46,11 +52,22 @@ class HashRing:
         points.sort()
         self._points = [p for p, _ in points]
         self._owners = [m for _, m in points]
+        self._orders = {}
         self.members = members
 
     def of(self, model: str | None) -> HashRing:
         """One ring for every model (``Rings`` keeps one per model)."""
         return self
+
+    def order(self, key: int) -> tuple[str, ...]:
+        """``tuple(walk(key))``, memoised per key until the members change."""
+        orders = self._orders
+        found = orders.get(key)
+        if found is None:
+            if len(orders) >= ORDER_MEMO:
+                orders.clear()
+            found = orders[key] = tuple(self.walk(key))
+        return found
 
     def walk(self, key: int) -> Iterator[str]:
         """Distinct members in ring order starting at ``key``'s position."""

@@ -57,7 +57,10 @@ class ReplicaSetBound(Filter):
         return max(1, math.ceil(self.p.factor * share * len(cycle.candidates) - 1e-9))
 
     def remove(self, cycle: Cycle) -> set[str]:
-        holders = {c.url for c in cycle.candidates if cycle.held(c) > 0}
+        # cycle.held(c) > 0, inline: a prompt with a cacheable block, a candidate with one
+        holders = (
+            {c.url for c in cycle.candidates if c.matched_blocks > 0} if cycle.limit > 0 else set()
+        )
         if not holders or len(holders) < self.allowed(cycle):
             return set()
         return {c.url for c in cycle.candidates} - holders

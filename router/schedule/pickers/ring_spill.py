@@ -54,17 +54,21 @@ class RingSpill(Picker):
     def __init__(self, params: Params) -> None:
         self.cap = params.queue_cap_tokens
         self.ttft_cap = params.ttft_cap_s
+        self._cap_text = f"{self.cap:.0f}"  # as every ``why`` shows it
         # Length-blind; a fractional cap, though, would compare differently once a lazy
         # head's estimate moves the costs it is added to.
         self.exact_on_head = float(self.cap).is_integer()
 
     def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
-        pending = {c.url: c.pending_prefill_tokens for c in cycle.candidates}
-        inflight = {c.url: c.inflight for c in cycle.candidates}
-        ttft = {c.url: c.ttft_s for c in cycle.candidates}
+        pending, inflight, ttft = {}, {}, {}
+        for c in cycle.candidates:
+            pending[c.url] = c.pending_prefill_tokens
+            inflight[c.url] = c.inflight
+            ttft[c.url] = c.ttft_s
         eligible = {s.url: s for s in scored if s.filtered is None}
-        order = [u for u in cycle.ring.walk(routing_key(cycle.req)) if u in eligible]
-        order += sorted(set(eligible) - set(order))  # not on the ring yet
+        order = [u for u in cycle.ring.order(routing_key(cycle.req)) if u in eligible]
+        if len(order) < len(eligible):
+            order += sorted(set(eligible) - set(order))  # not on the ring yet
         pos = {u: i for i, u in enumerate(order)}
         owner = order[0]
         best = max(s.matched_blocks for s in eligible.values())
@@ -92,7 +96,7 @@ class RingSpill(Picker):
                     u,
                     branch,
                     f"holds the prefix, queue {pending[u]} <= cap "
-                    f"{self.cap:.0f}; ring position {pos[u]}" + note,
+                    f"{self._cap_text}; ring position {pos[u]}" + note,
                     owner,
                 )
         stay = min((eligible[u] for u in held), key=lambda s: (s.cost, pos[s.url]))

@@ -20,4 +20,5 @@ class UncachedPrefill(Scorer):
         pass
 
     def score(self, cycle: Cycle, c: Candidate) -> float:
-        return cycle.req.num_tokens - cycle.held(c) * cycle.req.block_size
+        req = cycle.req
+        return req.num_tokens - min(c.matched_blocks, cycle.limit) * req.block_size  # held(c)
