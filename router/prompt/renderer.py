@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.prompt import lazy, scope
@@ -338,20 +338,16 @@ class Renderer:
             return max(reference_chars, FAST_MAX_CHARS)
         return reference_chars
 
-    @contextlib.contextmanager
-    def inline(self, max_uncached_chars: int) -> Iterator[None]:
+    def inline(self, max_uncached_chars: int) -> contextlib.AbstractContextManager[None]:
         """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
         than ``max_uncached_chars`` of uncached text, so an event loop can tokenize a cached
         prompt in place (microseconds) and hand only real work to a thread."""
-        with scope.inline(max_uncached_chars):
-            yield
+        return scope.inline(max_uncached_chars)
 
-    @contextlib.contextmanager
-    def cache_scope(self, cache_salt: str | None) -> Iterator[None]:
+    def cache_scope(self, cache_salt: str | None) -> contextlib.AbstractContextManager[None]:
         """Within this block, segment-cache entries are those of the ``cache_salt`` scope:
         text cached under another salt is a miss here, exactly as on a replica."""
-        with scope.cache_scope(cache_salt):
-            yield
+        return scope.cache_scope(cache_salt)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=...)``, through the segment cache when

@@ -9,10 +9,13 @@ import contextvars
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import xxhash
 
 from router.errors import APIError
+
+T = TypeVar("T")
 
 
 class NeedsThread(Exception):
@@ -98,24 +101,32 @@ def budget(cpu_s: float | None, max_tokens: int | None = None) -> Iterator[None]
         BUDGET.reset(token)
 
 
-@contextlib.contextmanager
-def inline(max_uncached_chars: int) -> Iterator[None]:
+class _Setting(Generic[T]):
+    """``var`` set to ``value`` within the block. A class, not ``contextlib.contextmanager``:
+    every request enters two of these, and a generator-based one costs a generator and
+    three more Python calls per use."""
+
+    __slots__ = ("_token", "_value", "_var")
+
+    def __init__(self, var: contextvars.ContextVar[T], value: T) -> None:
+        self._var = var
+        self._value = value
+
+    def __enter__(self) -> None:
+        self._token = self._var.set(self._value)
+
+    def __exit__(self, *exc: object) -> None:
+        self._var.reset(self._token)
+
+
+def inline(max_uncached_chars: int) -> contextlib.AbstractContextManager[None]:
     """Within this block, tokenizing raises ``NeedsThread`` instead of BPE-encoding more
     than ``max_uncached_chars`` of uncached text, so an event loop can tokenize a cached
     prompt in place (microseconds) and hand only real work to a thread."""
-    token = INLINE_BUDGET.set(max_uncached_chars)
-    try:
-        yield
-    finally:
-        INLINE_BUDGET.reset(token)
+    return _Setting(INLINE_BUDGET, max_uncached_chars)
 
 
-@contextlib.contextmanager
-def cache_scope(cache_salt: str | None) -> Iterator[None]:
+def cache_scope(cache_salt: str | None) -> contextlib.AbstractContextManager[None]:
     """Within this block, segment-cache entries are those of the ``cache_salt`` scope:
     text cached under another salt is a miss here, exactly as on a replica."""
-    token = CACHE_SCOPE.set(cache_scope_seed(cache_salt))
-    try:
-        yield
-    finally:
-        CACHE_SCOPE.reset(token)
+    return _Setting(CACHE_SCOPE, cache_scope_seed(cache_salt))
