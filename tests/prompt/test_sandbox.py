@@ -56,6 +56,15 @@ _PROBES = {
     "kwargs": "{{ messages | tojson(indent=1) }}{{ dict(a=1).get('a') }}",
     "raise": "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}ok",
     "tools": "{% for t in tools or [] %}{{ t.function.name }}{{ t.function | tojson }}{% endfor %}",
+    # Sums output term by term while every term is a string (ChatSandbox's _SumOutput).
+    "sum-strings": (
+        "{% for m in messages %}{{ '<' + m.role + '>' + m.content + '|' }}{{ m.role + '' }}"
+        "{{ m.role + (':' + m.role) + '!' }}{% endfor %}"
+    ),
+    "sum-numbers": "{{ 1 + messages | length + 2 }}{{ [1] + [messages | length] }}{{ 'a' + 'b' }}",
+    "sum-type-error": "{{ messages[0].role + ':' + messages | length }}",
+    "sum-undefined": "{{ '<' + messages[0].nope + '>' }}",
+    "sum-markup": "{{ messages[0].role + ('<b>' | safe) + messages[0].role }}",
 }
 
 
