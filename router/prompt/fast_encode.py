@@ -123,6 +123,8 @@ def fastokens_encoder(tokenizer_json: str, long: PlainEncoder | None = None) -> 
         out, at = array("I"), array("Q")
         out.frombytes(ids)
         at.frombytes(offsets)
+        if len(at) == 2 and at[0] == 0 and at[1] == len(out):  # one segment: all of it
+            return [out]
         return [out[at[i] : at[i + 1]] for i in range(len(segments))]
 
     native = array("I").itemsize == 4 and array("Q").itemsize == 8 and sys.byteorder == "little"

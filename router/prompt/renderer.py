@@ -221,7 +221,7 @@ class Renderer:
             ids.extend(state.ids)
             base_chars = state.chars
         base_tokens = len(ids)
-        seg.encode_cuts(text[base_chars:] if base_chars else text, cuts, ids)
+        seg.encode_cuts(text, cuts, ids, base_chars)
         ids.prefix = state
         stored: list[PrefixState] = []
         if cuts:  # the whole prompt up to its last added token: the next turn extends it

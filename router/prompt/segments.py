@@ -181,13 +181,14 @@ class SegmentTokenizer:
         base_tokens: int = 0,
         cuts: list[tuple[int, int]] | None = None,
         out: array[int] | None = None,
+        start: int = 0,
     ) -> array[int]:
-        """``text``'s ids, segment by segment. ``base_tokens``: tokens before ``text`` in the
-        prompt (a cached prefix), counted against the token bound. ``cuts``: if given, gets
-        (characters, tokens) of ``text`` after each added token: where the prompt can be cut
-        with its ids cut alike."""
+        """``text[start:]``'s ids, segment by segment. ``base_tokens``: tokens before it in
+        the prompt (a cached prefix), counted against the token bound. ``cuts``: if given,
+        gets (characters, tokens) of ``text[start:]`` after each added token: where the
+        prompt can be cut with its ids cut alike."""
         assert self._split_re is not None and self._backend is not None
-        pieces = self.pieces(text)
+        pieces = self.pieces(text, start)
         keys: list[int] = []
         found: dict[int, Sequence[int]] = {}
         missing: dict[int, str] = {}
@@ -268,18 +269,19 @@ class SegmentTokenizer:
                 k += 1
         return out
 
-    def pieces(self, text: str) -> list[str | int]:
-        """``text`` cut at the added tokens: segment text, or an added token's id (in order;
-        their ids concatenated are the text's ids)."""
+    def pieces(self, text: str, start: int = 0) -> list[str | int]:
+        """``text[start:]`` cut at the added tokens: segment text, or an added token's id (in
+        order; their ids concatenated are the text's ids). The pattern is literal tokens:
+        searching from ``start`` finds what searching the slice would, without the copy."""
         assert self._split_re is not None
         added = self._added
         pieces: list[str | int] = []
-        pos = 0
+        pos = start
         lead = self._split_lead
         if lead is None:
-            matches: Iterable[re.Match[str]] = self._split_re.finditer(text)
+            matches: Iterable[re.Match[str]] = self._split_re.finditer(text, start)
         else:
-            matches = self._lead_matches(text, lead)
+            matches = self._lead_matches(text, lead, start)
         for m in matches:
             if m.start() > pos:
                 pieces.append(text[pos : m.start()])
@@ -289,13 +291,13 @@ class SegmentTokenizer:
             pieces.append(text[pos:])
         return pieces
 
-    def _lead_matches(self, text: str, lead: str) -> Iterator[re.Match[str]]:
+    def _lead_matches(self, text: str, lead: str, start: int = 0) -> Iterator[re.Match[str]]:
         """``finditer``'s matches, found by ``str.find`` of the character every added token
         starts with (a SIMD scan; the regex engine's search steps a character at a time):
         a match can start nowhere else, and after one the search resumes at its end."""
         assert self._split_re is not None
         find, match = text.find, self._split_re.match
-        i = find(lead)
+        i = find(lead, start)
         while i >= 0:
             m = match(text, i)
             if m is None:
@@ -349,11 +351,15 @@ class SegmentTokenizer:
         self._put(self._key(piece), list(ids))
         self.misses += 1
 
-    def encode_cuts(self, text: str, cuts: list[tuple[int, int]], out: array[int]) -> array[int]:
-        """``encode(text, False)`` on the segment path appended to ``out`` (whose ids, a
-        cached prefix's, precede ``text``), noting in ``cuts`` where an added token ends
-        (see ``_encode_split``; counted from ``text``'s start)."""
-        return self._encode_split(text, use_cache=True, base_tokens=len(out), cuts=cuts, out=out)
+    def encode_cuts(
+        self, text: str, cuts: list[tuple[int, int]], out: array[int], start: int = 0
+    ) -> array[int]:
+        """``encode(text[start:], False)`` on the segment path appended to ``out`` (whose ids,
+        a cached prefix's, precede ``text[start:]``), noting in ``cuts`` where an added token
+        ends (see ``_encode_split``; counted from ``start``)."""
+        return self._encode_split(
+            text, use_cache=True, base_tokens=len(out), cuts=cuts, out=out, start=start
+        )
 
     def contained_added(self) -> bool:
         """Whether an added token holds another one inside it (then a cut after an added
