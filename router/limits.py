@@ -102,16 +102,16 @@ def _check_string(s: str, path: _Path, limits: BodyLimits) -> None:
         )
 
 
+def _at_most(value: Any, n: int, what: str, path: _Path) -> None:
+    if isinstance(value, (list, dict)) and len(value) > n:
+        raise _refuse(f"{len(value)} {what}; at most {n} are accepted", path, "too_many_items")
+
+
 def _check_counts(body: dict[str, Any], limits: BodyLimits) -> None:
     """The per-field counts, O(1) each: a 100,000-message body is refused before the walk."""
-
-    def at_most(value: Any, n: int, what: str, path: _Path) -> None:
-        if isinstance(value, (list, dict)) and len(value) > n:
-            raise _refuse(f"{len(value)} {what}; at most {n} are accepted", path, "too_many_items")
-
-    at_most(body.get("messages"), limits.max_messages, "messages", ((), "messages"))
-    at_most(body.get("tools"), limits.max_tools, "tools", ((), "tools"))
-    at_most(
+    _at_most(body.get("messages"), limits.max_messages, "messages", ((), "messages"))
+    _at_most(body.get("tools"), limits.max_tools, "tools", ((), "tools"))
+    _at_most(
         body.get("chat_template_kwargs"),
         limits.max_template_kwargs,
         "keys",
@@ -119,13 +119,15 @@ def _check_counts(body: dict[str, Any], limits: BodyLimits) -> None:
     )
     messages = body.get("messages")
     if isinstance(messages, list):
+        parts, tools = limits.max_content_parts, limits.max_tools
         for i, m in enumerate(messages):
             if isinstance(m, dict):
-                mpath = (((), "messages"), i)
-                at_most(
-                    m.get("content"), limits.max_content_parts, "content parts", (mpath, "content")
-                )
-                at_most(m.get("tools"), limits.max_tools, "tools", (mpath, "tools"))
+                # The paths are made only for a message that has a list or object to count.
+                content, mtools = m.get("content"), m.get("tools")
+                if isinstance(content, (list, dict)) or isinstance(mtools, (list, dict)):
+                    mpath = (((), "messages"), i)
+                    _at_most(content, parts, "content parts", (mpath, "content"))
+                    _at_most(mtools, tools, "tools", (mpath, "tools"))
 
 
 def _message_text_chars(body: dict[str, Any]) -> int:
@@ -153,6 +155,7 @@ def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> Non
     """Raise a 400 (OpenAI's shape, ``param`` naming the field) for a body outside
     ``limits``. Iterative: its own cost is bounded by ``max_nodes``, whatever the nesting."""
     _check_counts(body, limits)
+    max_chars = limits.max_string_chars
     nodes = 0
     stack: list[tuple[Any, int, _Path]] = [(body, 0, ())]
     while stack:
@@ -167,14 +170,15 @@ def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> Non
                 f"the body holds more than {limits.max_nodes} JSON values", None, "body_too_complex"
             )
         items = value.items() if isinstance(value, dict) else enumerate(value)
+        # _check_string only where it may refuse: a short ASCII string passes.
         for k, v in items:
-            child = (path, k)
-            if type(k) is str:
-                _check_string(k, child, limits)
+            if type(k) is str and (len(k) > max_chars or not k.isascii()):
+                _check_string(k, (path, k), limits)
             if type(v) is str:
-                _check_string(v, child, limits)
+                if len(v) > max_chars or not v.isascii():
+                    _check_string(v, (path, k), limits)
             elif isinstance(v, (dict, list)) and v:
-                stack.append((v, depth + 1, child))
+                stack.append((v, depth + 1, (path, k)))
     chars = _message_text_chars(body)
     if chars > limits.max_prompt_chars:
         raise APIError(
