@@ -409,7 +409,12 @@ class RequestPath:
         holders = tuple(url for url, m in matches.items() if best and min(m, best) == best)
         return max(0, rr.num_tokens - best * rr.block_size), holders
 
-    async def decide(self, rr: RoutedRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+    async def decide(
+        self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
+    ) -> Decision:
+        """The policy's replica for ``rr``. ``slot``: where flow control reserved the request's
+        prefill slot (``Ticket.replica``); a prefix nobody holds goes there, a replica no
+        request queued before it waits for (``Capacity.best_unheld``)."""
         t0 = time.perf_counter()
         replicas = self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
         if rr.pinned_replica is not None:  # holds the state the request names
@@ -427,6 +432,8 @@ class RequestPath:
                 rr = await self.complete(rr)
                 if self.policy.uses_index:
                     matches = await self.wiring.index.match(rr.block_hashes, urls)
+        if slot is not None and self.policy.uses_index and not any(matches.values()):
+            replicas = [r for r in replicas if r.url == slot] or replicas
         decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
         if rr.lora is not None:
             self.upkeep.plan_adapter(rr, decision.replica)  # loaded there first

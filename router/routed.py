@@ -76,7 +76,7 @@ class RoutedJob(Job):
         self._uncached = 0
 
     async def pick(self, fleet: Fleet, tried: frozenset[str]) -> Attempt | None:
-        decision = await self.request_path.decide(self.rr, tried)
+        decision = await self.request_path.decide(self.rr, tried, self.ticket.replica)
         rr = self.rr
         attempt = Attempt(fleet.replicas[decision.replica], decision)
         attempt.prefill_tokens = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)

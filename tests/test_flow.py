@@ -134,6 +134,70 @@ async def test_tenants_under_their_share_go_before_a_busy_tenant_first_come_firs
     assert setup.served()[-6:] == ["x2", "y1", "x3", "y2", "busy8", "busy9"]
 
 
+async def test_a_prefix_nobody_holds_does_not_take_the_slot_an_earlier_request_waits_for(
+    fleet, gateway
+) -> None:
+    """Two replicas, both busy; x (busy: it used the fleet) waits for the replica holding
+    its prefix, then new tenant y's first request (its system prompt cached nowhere, and
+    ahead of x in fair order: y used nothing). When x's replica frees, x goes there first:
+    y's first, uncached prefill would have held that replica ahead of x, where vLLM's
+    queue would have served x first. y takes that replica's next slot."""
+    replicas = await fleet(2)
+    gw = await gateway([r.url for r in replicas], flow_control=True, tenant_header="X-Tenant")
+    async with aiohttp.ClientSession() as http:
+
+        def send(rid: str, tenant: str, i: int) -> Awaitable[tuple[int, Any, Any]]:
+            system = f"You answer questions for tenant {tenant}. " * 40  # a prefix per tenant
+            return post(
+                http,
+                gw.url + "/v1/chat/completions",
+                chat_body(f"Question number {i}", system=system, max_tokens=64),
+                {"X-Tenant": tenant, "x-request-id": rid},
+            )
+
+        for i in range(3):  # x's prefix on one replica, and x's usage ahead of y's
+            status, headers, _ = await send(f"x{i}", "x", i)
+            assert status == 200
+        a = next(r for r in replicas if r.url == headers["x-prefix-router-replica"])
+        b = next(r for r in replicas if r is not a)
+        setup = Setup(a, gw, http)
+
+        async def hold(replica: Any, rid: str, tenant: str) -> asyncio.Task[Any]:
+            replica.hang_next(1)
+            task = asyncio.create_task(send(rid, tenant, 9))
+
+            async def hanging() -> bool:
+                return replica.hanging == 1
+
+            await wait_for(hanging, what=f"{rid} held")
+            return task
+
+        held_a = await hold(a, "x-held", "x")  # x's prefix: its replica
+        held_b = await hold(b, "h-held", "h")  # a new prefix: the replica still free
+
+        async def enqueue(rid: str, tenant: str, i: int) -> asyncio.Task[Any]:
+            before = setup.queued
+            task = asyncio.create_task(send(rid, tenant, i))
+
+            async def queued() -> bool:
+                return setup.queued > before or task.done()
+
+            await wait_for(queued, what=f"{rid} queued")
+            return task
+
+        tasks = [await enqueue("x-late", "x", 4), await enqueue("y-new", "y", 5)]
+        held_a.cancel()  # x's replica frees; the other stays busy
+        await asyncio.gather(held_a, return_exceptions=True)
+        results = await finish(tasks)
+        held_b.cancel()
+        await asyncio.gather(held_b, return_exceptions=True)
+    assert [r[0] for r in results] == [200, 200]
+    # before: y-new took the slot (its tenant used less) and x-late waited its prefill out
+    assert setup.served()[-2:] == ["x-late", "y-new"]
+    assert [r[1]["x-prefix-router-replica"] for r in results] == [a.url, a.url]
+    assert gw.gateway.flow.in_prefill(MODEL) == 0
+
+
 async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:
     status, _, idle = await post(
         setup.http, setup.gw.url + "/v1/route/explain", body(0), {"X-Tenant": "b"}

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
 from router.flow.metrics import FlowMetrics
 from router.flow.ratelimit import RateLimiter
-from router.flow.saturation import Capacity, ReplicaView, Thresholds, capacity
+from router.flow.saturation import Capacity, ReplicaView, Thresholds, Waiting, capacity
 from router.flow.settings import FlowSettings
 from router.flow.ticket import Ticket, shed_error
 from router.tasks import cancel_and_wait
@@ -296,24 +296,28 @@ class FlowController:
         """Release queued requests in fair order while the model has free prefill slots: a
         request whose prefix is cached waits for a slot on a replica holding it (the
         scheduler will send it there), and lets the next tenant in order take a slot it
-        cannot use."""
+        cannot use; a request whose prefix nobody holds takes a slot only on a replica no
+        earlier queued request waits for (``Capacity.best_unheld``), and the scheduler is
+        told which (``Ticket.replica``)."""
         q = self.queues.get(model)
         if q is None or not q.size:
             return
         while q.size:
             cap = self.capacity(model)
+            fit: _Fit | None = None
             if cap is None:
                 entry = q.pop()
             elif not cap.free:
                 break
             else:
-                entry = q.pop(cap.fits)
+                fit = _Fit(q, cap)
+                entry = q.pop(fit)
             if entry is None:
                 break
             w = entry.item
             if w.future.done():  # cannot happen (removed entries leave the queue): stay safe
                 continue
-            self._take(w.ticket, cap.best(w.holders) if cap is not None else None)
+            self._take(w.ticket, fit.slot(entry) if fit is not None else None)
             w.ticket.charged = True
             self._count_usage(model, w.ticket.tenant, entry.cost)
             now = self.clock()
@@ -415,6 +419,35 @@ class FlowController:
             "queues": q.describe(),
             "capacity": cap.describe() if cap is not None else None,
         }
+
+
+class _Fit:
+    """``pump``'s test of whether a queued entry can go now, and where its slot is. The
+    replicas earlier entries wait for are looked up only for an entry whose prefix nobody
+    holds (rare: a tenant's first request), once per release."""
+
+    def __init__(self, q: FairQueue[_Waiter], cap: Capacity) -> None:
+        self.q, self.cap = q, cap
+        self._waiting: Waiting | None = None
+
+    def waiting(self) -> Waiting:
+        if self._waiting is None:
+            queued = ((e.seq, e.item.holders) for e in self.q.entries())
+            self._waiting = Waiting.of(queued, self.cap)
+        return self._waiting
+
+    def __call__(self, entry: Entry[_Waiter]) -> bool:
+        if self.cap.known(entry.item.holders):
+            return self.cap.free_for(entry.item.holders)
+        return self.cap.free and self.slot(entry) is not None
+
+    def slot(self, entry: Entry[_Waiter]) -> str | None:
+        """The replica whose slot the entry takes (None: its holders are gone; the
+        scheduler places it)."""
+        holders = entry.item.holders
+        if self.cap.known(holders):
+            return self.cap.best(holders)
+        return self.cap.best_unheld(self.waiting(), entry.seq)
 
 
 def _describe(cap: Capacity | None) -> str:

@@ -13,7 +13,7 @@ mostly cached requests over ``ttft_max_s`` (0: not used). Other gateways' reques
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,17 +66,32 @@ class Capacity:
         anywhere when it has no holder or none serves any more."""
         if not self.free:
             return False
-        known = [h for h in holders if h in self.free_by_replica or h in self.blocked]
+        known = self.known(holders)
         return not known or any(self.free_by_replica.get(h, 0.0) > 0 for h in known)
 
-    def fits(self, entry: Any) -> bool:
-        """``free_for`` a queued entry (``entry.item.holders``)."""
-        return self.free_for(entry.item.holders)
+    def known(self, holders: Sequence[str]) -> list[str]:
+        """The holders that still serve the model (none: the request may go anywhere)."""
+        return [h for h in holders if h in self.free_by_replica or h in self.blocked]
 
     def best(self, holders: Sequence[str]) -> str | None:
         """The holder with the most free slots (None: no usable holder)."""
         usable = [h for h in holders if self.free_by_replica.get(h, 0.0) > 0]
         return max(usable, key=lambda h: self.free_by_replica[h]) if usable else None
+
+    def best_unheld(self, waiting: Waiting, seq: int) -> str | None:
+        """Where a request whose prefix nobody holds (queued as ``seq``) may take a slot: a
+        free replica no earlier queued request is waiting for, the one fewest wait for (then
+        the most free slots); None if there is none. A request that can go anywhere does not
+        take the one replica an earlier request must wait for: its prefill (a prefix's first,
+        uncached) would hold every request queued for that replica."""
+        usable = [
+            u
+            for u, f in self.free_by_replica.items()
+            if f > 0 and waiting.oldest.get(u, math.inf) > seq
+        ]
+        if not usable:
+            return None
+        return min(usable, key=lambda u: (waiting.count.get(u, 0), -self.free_by_replica[u], u))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -86,6 +101,26 @@ class Capacity:
             "free_by_replica": dict(self.free_by_replica),
             "blocked_replicas": dict(self.blocked),
         }
+
+
+@dataclass(slots=True)
+class Waiting:
+    """Queued requests per replica holding their prefix: the oldest one's queue order, and
+    how many."""
+
+    oldest: dict[str, int]
+    count: dict[str, int]
+
+    @classmethod
+    def of(cls, queued: Iterable[tuple[int, Sequence[str]]], cap: Capacity) -> Waiting:
+        """From ``(seq, holders)`` of every queued request."""
+        oldest: dict[str, int] = {}
+        count: dict[str, int] = {}
+        for seq, holders in queued:
+            for h in cap.known(holders):
+                oldest[h] = min(oldest.get(h, seq), seq)
+                count[h] = count.get(h, 0) + 1
+        return cls(oldest, count)
 
 
 def blocked_reason(r: ReplicaView, t: Thresholds) -> str | None:
