@@ -28,7 +28,7 @@ TENANTS = {
 
 def body(i: int, **extra: Any) -> dict[str, Any]:
     # the same length everywhere: equal costs, so the order is the weights' and bands'
-    return chat_body(f"Question number {i % 10}", max_tokens=64, **extra)
+    return {**chat_body(f"Question number {i % 10}", max_tokens=64), **extra}
 
 
 class Setup:
@@ -196,6 +196,40 @@ async def test_a_prefix_nobody_holds_does_not_take_the_slot_an_earlier_request_w
     assert setup.served()[-2:] == ["x-late", "y-new"]
     assert [r[1]["x-prefix-router-replica"] for r in results] == [a.url, a.url]
     assert gw.gateway.flow.in_prefill(MODEL) == 0
+
+
+async def test_a_sessions_past_request_does_not_hold_it_behind_its_tenants_others(
+    setup: Setup,
+) -> None:
+    """x's end user u0 sent a long, uncached prompt (through the queue); later u0, u1 and
+    u2 queue one request each, in that order: they go in that order. Charged by cost and
+    remembered, u0's went last, behind requests of its tenant that came after it."""
+    await setup.hold()
+    long = chat_body("Please summarise: " + "the quick brown fox " * 200, max_tokens=64)
+    first = asyncio.create_task(
+        post(
+            setup.http,
+            setup.gw.url + "/v1/chat/completions",
+            {**long, "user": "u0"},
+            {"X-Tenant": "x", "x-request-id": "u0-long"},
+        )
+    )
+
+    async def queued() -> bool:
+        return setup.queued == 1
+
+    await wait_for(queued, what="u0-long queued")
+    await setup.release()
+    assert (await first)[0] == 200
+    await setup.hold()
+    tasks = [
+        await setup.enqueue("u0-next", "x", 1, user="u0"),
+        await setup.enqueue("u1", "x", 2, user="u1"),
+        await setup.enqueue("u2", "x", 3, user="u2"),
+    ]
+    await setup.release()
+    assert [r[0] for r in await finish(tasks)] == [200] * 3
+    assert setup.served()[-3:] == ["u0-next", "u1", "u2"]
 
 
 async def test_bands_go_first_whatever_the_arrival(setup: Setup) -> None:

@@ -8,8 +8,14 @@ start tag goes next, and its finish advances by ``cost / weight``. A tenant that
 uncached prompts advances faster and so waits longer: fairness is on work, not on requests.
 
 Two levels: tenants within a band, weighted by the tenant's weight; sessions within a
-tenant, equal weights, so one agent session cannot starve the tenant's others. Bands are
-strict priority: nothing of a lower band leaves while a higher band has a request queued.
+tenant take turns by request, so one agent session cannot starve the tenant's others. The
+work is the tenant's (its tag pays for it); a session's past is forgotten once it has nothing
+queued: charged by cost and remembered, the session that happened to carry the tenant's
+first, uncached request (its system prompt, cached for all its sessions after) was held
+behind the tenant's other sessions' later requests for tens of seconds (traced in the
+noisy-neighbour benchmark: a quiet request overtaken by six of its tenant's later ones).
+Bands are strict priority: nothing of a lower band leaves while a higher band has a
+request queued.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class _Flow(Generic[T]):
 
     finish: float = 0.0
     start: float = 0.0  # while backlogged: the start tag of its head
-    version: int = 0  # bumps when its heap entry goes stale
+    version: int = 0  # a new, unique one when its heap entry goes stale
     queue: deque[Entry[T]] = field(default_factory=deque)  # sessions only
     sessions: dict[str, _Flow[T]] = field(default_factory=dict)  # tenants only
     heap: list[tuple[float, int, str, int]] = field(default_factory=list)  # tenants: sessions
@@ -103,8 +109,8 @@ class FairQueue(Generic[T]):
             session = tenant.sessions[entry.session] = _Flow()
         session.queue.append(entry)
         session.size += 1
-        if session.size == 1:  # newly backlogged session
-            session.start = max(tenant.vtime, session.finish)
+        if session.size == 1:  # newly backlogged session: its past is forgotten
+            session.start = tenant.vtime
             self._push_session(tenant, entry.session, session)
         tenant.size += 1
         if tenant.size == 1:  # newly backlogged tenant
@@ -126,12 +132,11 @@ class FairQueue(Generic[T]):
         return max(band.vtime - self.burst / weight, tenant.finish)
 
     def _push_session(self, tenant: _Flow[T], name: str, s: _Flow[T]) -> None:
-        s.version += 1
-        heapq.heappush(tenant.heap, (s.start, next(self._seq), name, s.version))
+        s.version = next(self._seq)  # unique: a forgotten flow's entries never match again
+        heapq.heappush(tenant.heap, (s.start, s.version, name, s.version))
 
     def _push_tenant(self, band: _Band[T], name: str, t: _Flow[T]) -> None:
-        t.version += 1
-        seq = next(self._seq)
+        t.version = seq = next(self._seq)
         heapq.heappush(band.heap, (t.start, seq, name, t.version))
         if self.burst:
             heapq.heappush(band.tops, (-t.start, seq, name, t.version))
@@ -230,18 +235,15 @@ class FairQueue(Generic[T]):
     ) -> Entry[T]:
         heapq.heappop(tenant.heap)  # the head session's entry, found by _head_session
         entry = session.queue.popleft()
-        # Session level: equal weights inside the tenant, on the same cost.
+        # Session level: turns by request inside the tenant (its work is the tenant's).
         tenant.vtime = max(tenant.vtime, session.start)
-        session.finish = session.start + entry.cost
+        session.finish = session.start + 1.0
         session.size -= 1
         if session.size:
             session.start = session.finish
             self._push_session(tenant, sname, session)
-        elif session.finish <= tenant.vtime:
+        else:  # idle: nothing to remember (its heap entry was the one popped)
             del tenant.sessions[sname]
-        if len(tenant.sessions) > 64 + 4 * tenant.size:  # many one-shot sessions: forget idle
-            for key in [k for k, s in tenant.sessions.items() if not s.size]:
-                del tenant.sessions[key]
         # Tenant level: weighted.
         band.vtime = max(band.vtime, start)
         tenant.finish = start + entry.cost / entry.weight
@@ -272,12 +274,10 @@ class FairQueue(Generic[T]):
         tenant.size -= 1
         band.size -= 1
         self.size -= 1
-        if not session.size:
-            session.version += 1  # its heap entry is stale
-            if session.finish <= tenant.vtime:
-                del tenant.sessions[entry.session]
+        if not session.size:  # its heap entry is stale (versions are never reused)
+            del tenant.sessions[entry.session]
         if not tenant.size:
-            tenant.version += 1
+            tenant.version = next(self._seq)
         self._prune(band, entry.tenant, tenant)
         return True
 

@@ -220,3 +220,27 @@ def test_first_come_first_served_below_the_busiest_even_ahead_of_the_virtual_tim
     push(q, "y0", "y")  # tag 200
     push(q, "x0", "x")  # tag 100
     assert drain(q) == ["y0", "x0", "flood1"]
+
+
+def test_a_sessions_past_does_not_hold_it_behind_its_tenants_others():
+    """u0 carried the tenant's first, uncached request (its system prompt); once u0 has
+    nothing queued that is forgotten: its next request, the first to arrive, goes first
+    (charged by cost and remembered, u0 went after every later request of u1 and u2)."""
+    for burst in (0.0, 4096.0):
+        q: FairQueue[str] = FairQueue(burst=burst)
+        push(q, "first", "t", cost=1168, session="u0")
+        assert drain(q) == ["first"]
+        push(q, "u0-next", "t", cost=144, session="u0")
+        push(q, "u1", "t", cost=144, session="u1")
+        push(q, "u2", "t", cost=144, session="u2")
+        assert drain(q) == ["u0-next", "u1", "u2"]
+
+
+def test_a_tenants_sessions_take_turns_by_request():
+    q: FairQueue[str] = FairQueue(burst=4096.0)
+    push(q, "big", "t", cost=1168, session="u0")
+    push(q, "u0-small", "t", cost=144, session="u0")
+    for i in range(3):
+        push(q, f"u1-{i}", "t", cost=144, session="u1")
+    # by cost, u1 went three times before u0's second request
+    assert drain(q) == ["big", "u1-0", "u0-small", "u1-1", "u1-2"]
