@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from router.probes import ReplicaStats, parse_vllm_metrics
 
@@ -25,6 +26,16 @@ def chat_body(user: str, system: str = LONG_SYSTEM, **extra: Any) -> dict[str, A
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
         **extra,
     }
+
+
+async def serve(app: web.Application, **runner_options: Any) -> tuple[web.AppRunner, str]:
+    """``app`` served on a free loopback port: its runner (clean it up) and its URL."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
 
 
 async def post(

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from router.outlier import Latency
-from tests.helpers import chat_body, post, wait_for
+from tests.helpers import chat_body, post, serve, wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"
 HUGE = 10**400
@@ -183,12 +183,7 @@ async def _huge_usage_replica() -> tuple[web.AppRunner, str]:
     app.router.add_get("/metrics", health)
     app.router.add_get("/v1/models", listing)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve(app)
 
 
 async def test_usage_no_float_can_hold_is_relayed_and_not_learnt(gateway):

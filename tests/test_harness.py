@@ -19,6 +19,7 @@ from loadtest.replica import SimConfig, run_replicas
 from loadtest.report import failure_line, write_report
 from loadtest.runner import REPLICA_HEADER, ClientTarget, GatewayTarget, run_workload
 from router import __version__
+from tests.helpers import serve
 
 # fast, but not instant: requests overlap and TTFT is not zero
 FAST = {
@@ -201,14 +202,10 @@ async def test_gateway_target_takes_the_replica_from_the_response_header():
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", proxy)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, proxy_url = await serve(app, access_log=None)
         try:
             res = await run_workload(
-                GatewayTarget(f"http://127.0.0.1:{port}", urls),
+                GatewayTarget(proxy_url, urls),
                 small_multi_tenant(1),
                 concurrency=2,
                 progress=False,

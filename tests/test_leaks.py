@@ -17,7 +17,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from tests.helpers import chat_body, post
+from tests.helpers import chat_body, post, serve
 
 MODEL = "Qwen/Qwen3-0.6B"
 KEY = "sk-acme-SECRETKEY0123456789"
@@ -63,12 +63,7 @@ class FakeReplica:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_post("/v1/audio/transcriptions", self._answer)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await serve(app)
 
 
 @pytest.fixture

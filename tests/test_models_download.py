@@ -21,7 +21,7 @@ from router.admin import SERVED_EXTENSIONS
 from router.app import RunningGateway, start_gateway
 from router.config import load_config
 from tests.families import MODELS, family_dir
-from tests.helpers import LONG_SYSTEM, cached_tokens, post
+from tests.helpers import LONG_SYSTEM, cached_tokens, post, serve
 
 QWEN = "Qwen/Qwen3-0.6B"
 LLAMA = MODELS["llama3"]
@@ -56,12 +56,7 @@ class FakeHub:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file}", self.resolve)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await serve(app)
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.helpers import wait_for
+from tests.helpers import serve, wait_for
 from tests.redis_server import RedisServer
 
 
@@ -40,12 +40,8 @@ async def status_server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
+    runner, url = await serve(app)
+    yield url
     await runner.cleanup()
 
 
