@@ -43,6 +43,7 @@ from aiohttp.web_request import BaseRequest
 
 from router.budget import peer_key
 from router.errors import APIError
+from router.token_bucket import TokenBucket
 
 log = logging.getLogger("prefix_router")
 
@@ -284,19 +285,17 @@ class GatewayServer(web.Server):
         self.on_refused = on_refused
         self.open_connections = 0
         self.peers: dict[str, int] = {}  # open connections per peer (router/budget.py's key)
-        # Per peer over its share: (tokens, when) of its answered-refusals bucket.
-        self.refusals: dict[str, tuple[float, float]] = {}
+        # Per peer over its share: its answered-refusals bucket.
+        self.refusals: dict[str, TokenBucket] = {}
 
     def may_answer(self, peer: str) -> bool:
         """Whether a connection from ``peer`` beyond its share may be answered (a token of
         the peer's bucket: ``peer_refusals_per_s``, as many at once)."""
-        rate = self.limits.peer_refusals_per_s
-        full, now = max(rate, 1.0), self._loop.time()
-        tokens, when = self.refusals.get(peer, (full, now))
-        tokens = min(full, tokens + (now - when) * rate)
-        answer = tokens >= 1.0
-        self.refusals[peer] = (tokens - 1.0 if answer else tokens, now)
-        return answer
+        bucket = self.refusals.get(peer)
+        if bucket is None:
+            rate = self.limits.peer_refusals_per_s
+            bucket = self.refusals[peer] = TokenBucket(max(rate, 1.0), rate)
+        return bucket.try_take(1.0, self._loop.time())
 
     def __call__(self) -> GatewayProtocol:
         return GatewayProtocol(self, loop=self._loop, **self._kwargs)

@@ -6,38 +6,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from router.token_bucket import TokenBucket
 
-@dataclass
-class Bucket:
+
+class Bucket(TokenBucket):
     """``limit`` per minute, refilled continuously; starts full."""
 
-    limit: int
-    level: float = math.nan
-    at: float = 0.0
+    __slots__ = ("limit",)
 
-    def _refill(self, now: float) -> None:
-        if math.isnan(self.level):
-            self.level, self.at = float(self.limit), now
-        self.level = min(float(self.limit), self.level + (now - self.at) * self.limit / 60.0)
-        self.at = now
-
-    def wait_s(self, amount: float, now: float) -> float:
-        """0 if ``amount`` fits now, else the seconds until it will. An amount larger than
-        the whole limit fits once the bucket is full (it could never fit otherwise)."""
-        self._refill(now)
-        need = min(amount, float(self.limit))
-        return 0.0 if self.level >= need else (need - self.level) * 60.0 / self.limit
-
-    def take(self, amount: float, now: float) -> None:
-        self._refill(now)
-        self.level -= min(amount, float(self.limit))
+    def __init__(self, limit: int) -> None:
+        super().__init__(float(limit), limit / 60.0)
+        self.limit = limit
 
     def headers(self, kind: str, now: float) -> dict[str, str]:
-        self._refill(now)
-        reset = (self.limit - self.level) * 60.0 / self.limit
+        level = self.refill(now)
+        reset = (self.limit - level) / self.per_s
         return {
             f"x-ratelimit-limit-{kind}": str(self.limit),
-            f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(self.level))),
+            f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(level))),
             f"x-ratelimit-reset-{kind}": f"{max(0.0, reset):.3f}s",
         }
 
