@@ -56,9 +56,10 @@ ChatConverter = Callable[[dict[str, Any]], dict[str, Any]]
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Admitted:
-    """A parsed request whose model is served and whose salt is decided."""
+    """A parsed request whose model is served and whose salt is decided (read-only; not
+    frozen, which costs an ``object.__setattr__`` call per field)."""
 
     endpoint: Endpoint
     body: dict[str, Any]  # as it will be forwarded (the salt policy applied)

@@ -58,8 +58,8 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class SaltDecision:
+@dataclass(slots=True)
+class SaltDecision:  # read-only; not frozen (an object.__setattr__ per field, per request)
     salt: str | None
     policy: str
     public_prefix: str | None = None

@@ -28,9 +28,15 @@ class ScheduleError(ValueError):
     person who wrote the config; ``router.config`` reports it as a ``ConfigError``."""
 
 
-@dataclass(frozen=True, slots=True)
+# The decision's records (Candidate, ScoredCandidate, Pick, Decision) are read-only by
+# convention, not frozen: a frozen dataclass sets each field through ``object.__setattr__``
+# (~1k instructions a field), and a decision builds ten of them with ~75 fields in all.
+# Nothing assigns to them after construction; ``dataclasses.replace`` makes a changed copy.
+
+
+@dataclass(slots=True)
 class Candidate:
-    """One healthy replica as the scheduler sees it for one decision."""
+    """One healthy replica as the scheduler sees it for one decision (read-only)."""
 
     url: str
     matched_blocks: int = 0  # leading blocks the index says it holds
@@ -49,9 +55,9 @@ class Candidate:
         return self.inflight
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScoredCandidate:
-    """A candidate after filters and scorers: ``cost`` is the sum of ``terms``."""
+    """A candidate after filters and scorers: ``cost`` is the sum of ``terms`` (read-only)."""
 
     url: str
     matched_blocks: int  # capped at the prompt's cacheable blocks
@@ -81,7 +87,7 @@ class SpillCause(enum.Enum):
     COST = "cost"  # the scorers' cost: the prefill saved did not outweigh the load
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """Where a request goes and why, in three words of increasing detail: ``reason`` (a
     ``Branch`` value, or the policy's name for a picker without branches: a metrics label),
@@ -111,8 +117,10 @@ class Decision:
         return {s.url: s.filtered_by for s in self.scores if s.filtered_by}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pick:
+    """A picker's choice (read-only)."""
+
     replica: str
     branch: Branch | None = None  # None: a picker without branches (the policy's name)
     why: str = ""
