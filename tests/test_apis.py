@@ -72,7 +72,7 @@ async def test_messages_create_and_stream_follow_the_prefix(fleet, gateway):
     finally:
         await client.close()
     # The gateway learnt the reported cached tokens (Anthropic's cache_read_input_tokens).
-    assert gw.gateway.metrics.reported_cached_tokens.labels("default")._value.get() > 0
+    assert gw.gateway.metrics.reported_cached_tokens.labels("default").value > 0
 
 
 async def test_responses_create_stream_and_previous_response_id(fleet, gateway):
