@@ -60,45 +60,56 @@ class RingSpill(Picker):
         self.exact_on_head = float(self.cap).is_integer()
 
     def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
-        pending, inflight, ttft = {}, {}, {}
-        for c in cycle.candidates:
-            pending[c.url] = c.pending_prefill_tokens
-            inflight[c.url] = c.inflight
-            ttft[c.url] = c.ttft_s
-        eligible = {s.url: s for s in scored if s.filtered is None}
+        cands = {c.url: c for c in cycle.candidates}
+        # The eligible, the longest held prefix among them (best) and among all (most), in
+        # one pass: matched blocks are never negative, and some candidate is eligible.
+        eligible = {}
+        best = most = 0
+        for s in scored:
+            m = s.matched_blocks
+            if m > most:
+                most = m
+            if s.filtered is None:
+                eligible[s.url] = s
+                if m > best:
+                    best = m
         order = [u for u in cycle.ring.order(routing_key(cycle.req)) if u in eligible]
         if len(order) < len(eligible):
             order += sorted(set(eligible) - set(order))  # not on the ring yet
         pos = {u: i for i, u in enumerate(order)}
         owner = order[0]
-        best = max(s.matched_blocks for s in eligible.values())
         if best == 0:
-            u = min(order, key=lambda u: (pending[u], inflight[u], pos[u]))
+            u = min(
+                order,
+                key=lambda u: (cands[u].pending_prefill_tokens, cands[u].inflight, pos[u]),
+            )
             return Pick(
                 u,
                 Branch.RING,
-                f"nobody holds this prefix: the shortest queue ({pending[u]} "
+                f"nobody holds this prefix: the shortest queue ({cands[u].pending_prefill_tokens} "
                 f"tokens), ring position {pos[u]}",
                 owner,
             )
 
-        def slow(u: str) -> bool:
-            return bool(self.ttft_cap) and ttft[u] > self.ttft_cap
-
-        most = max(s.matched_blocks for s in scored)
+        cap, ttft_cap = self.cap, self.ttft_cap
         held = [u for u in order if eligible[u].matched_blocks == best]
         # Where the prefix's replica set stands: how many hold it, at which ring positions.
         note = f" [held by {len(held)} at ring positions {','.join(str(pos[u]) for u in held)}]"
         for u in held:
-            if pending[u] <= self.cap and not slow(u):
+            queued = cands[u].pending_prefill_tokens
+            if queued <= cap and not (ttft_cap and cands[u].ttft_s > ttft_cap):  # not slow(u)
                 branch = Branch.PREFIX if best == most else Branch.SPILL
                 return Pick(
                     u,
                     branch,
-                    f"holds the prefix, queue {pending[u]} <= cap "
+                    f"holds the prefix, queue {queued} <= cap "
                     f"{self._cap_text}; ring position {pos[u]}" + note,
                     owner,
                 )
+
+        def slow(u: str) -> bool:
+            return bool(ttft_cap) and cands[u].ttft_s > ttft_cap
+
         stay = min((eligible[u] for u in held), key=lambda s: (s.cost, pos[s.url]))
         for u in order:  # spill only where it saves more than the cap, in ring order
             if eligible[u].cost + self.cap < stay.cost and not slow(u):
@@ -111,10 +122,10 @@ class RingSpill(Picker):
                 return Pick(u, branch, why + note, owner, cause=SpillCause.QUEUE_CAP)
         if slow(stay.url):  # its wait is longer than the tokens say (decode, other gateways)
             for u in order:
-                if pending[u] <= self.cap and not slow(u):
+                if cands[u].pending_prefill_tokens <= self.cap and not slow(u):
                     why = (
                         f"every holder is over a cap and the cheapest one's observed time to "
-                        f"first byte {ttft[stay.url]:.2f} s is over {self.ttft_cap:g} s: the "
+                        f"first byte {cands[stay.url].ttft_s:.2f} s is over {self.ttft_cap:g} s: the "
                         f"next on the prefix's ring within both caps, position {pos[u]}"
                     )
                     branch = Branch.PREFIX if eligible[u].matched_blocks == most else Branch.SPILL
