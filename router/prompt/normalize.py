@@ -49,6 +49,13 @@ def content_parts(
 ) -> str | list[dict[str, Any]]:
     """vllm.renderers.chat_utils.parse_chat_message_content(_parts): text parts kept
     (empty ones dropped), joined with "\\n" for string-format templates."""
+    if type(content) is str and not (role == "system" and content.startswith(_BILLING_HEADER)):
+        # What the parts loop below makes of one text part, without making it: the text
+        # (empty or not: one part joined, or none), as one dict part for openai-format
+        # templates (a tool's joined to its text). tests/prompt/test_normalize_fast.py.
+        if fmt == "openai" and role != "tool":
+            return [{"type": "text", "text": content}]
+        return content
     param = f"messages.{i}.content"
     if content is None:
         parts: list[Any] = []

@@ -353,3 +353,19 @@ def test_fuzzed_bodies_never_crash(body: dict[str, Any]) -> None:
             r.tokenize_chat(body)
         except APIError as e:
             assert e.status == 400
+
+
+@pytest.mark.parametrize("fmt", ["string", "openai"])
+@pytest.mark.parametrize("role", ["system", "user", "assistant", "tool", "developer", "x"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "hello", "\n", "x-anthropic-billing-header: a=1\nrest", "x-anthropic-billing-header"],
+)
+def test_a_string_content_is_its_one_text_part(fmt: Any, role: str, text: str) -> None:
+    """A string content takes a shortcut past the parts loop: the same as the one text
+    part it stands for, in both content formats, for every role, empty or not."""
+    from router.prompt.normalize import content_parts
+
+    got = content_parts(role, text, 0, fmt)
+    assert got == content_parts(role, [{"type": "text", "text": text}], 0, fmt)
+    assert type(got) is type(content_parts(role, [{"type": "text", "text": text}], 0, fmt))
