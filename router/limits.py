@@ -151,12 +151,19 @@ def _message_text_chars(body: dict[str, Any]) -> int:
     return n
 
 
-def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> None:
+_WIDE = float(2**63)
+
+
+def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> bool:
     """Raise a 400 (OpenAI's shape, ``param`` naming the field) for a body outside
-    ``limits``. Iterative: its own cost is bounded by ``max_nodes``, whatever the nesting."""
+    ``limits``. Iterative: its own cost is bounded by ``max_nodes``, whatever the nesting.
+    Returns whether the body holds a whole float of 2**63 or more in magnitude (what orjson
+    makes of an integer too wide for 64 bits: ``parse_body`` then reads it with the stdlib's
+    parser), found on the same walk."""
     _check_counts(body, limits)
     max_chars = limits.max_string_chars
     nodes = 0
+    wide = False
     stack: list[tuple[Any, int, _Path]] = [(body, 0, ())]
     while stack:
         value, depth, path = stack.pop()
@@ -177,8 +184,11 @@ def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> Non
             if type(v) is str:
                 if len(v) > max_chars or not v.isascii():
                     _check_string(v, (path, k), limits)
-            elif isinstance(v, (dict, list)) and v:
-                stack.append((v, depth + 1, (path, k)))
+            elif isinstance(v, (dict, list)):
+                if v:
+                    stack.append((v, depth + 1, (path, k)))
+            elif type(v) is float and (v >= _WIDE or v <= -_WIDE) and v.is_integer():
+                wide = True
     chars = _message_text_chars(body)
     if chars > limits.max_prompt_chars:
         raise APIError(
@@ -188,6 +198,7 @@ def check_body(body: dict[str, Any], limits: BodyLimits = DEFAULT_LIMITS) -> Non
             param="messages" if "messages" in body else "prompt",
             code="prompt_too_long",
         )
+    return wide
 
 
 def check_fits(body: dict[str, Any], max_model_len: Any, max_chars_per_token: int) -> None:

@@ -108,10 +108,18 @@ def parse_json_object(raw: bytes, *, whole: bool = False) -> dict[str, Any]:
     mark, nesting past 1,024, invalid JSON -- is handed to ``json.loads``, which accepts
     it as before or refuses it with today's message. Duplicate keys: all keep the last
     value at the first key's place."""
+    return _parse(raw, whole, False)[0]
+
+
+def _parse(raw: bytes, whole: bool, wide_ok: bool) -> tuple[dict[str, Any], bool]:
+    """``parse_json_object``'s body, and whether it is orjson's reading unchecked for what
+    orjson makes of an integer too wide for 64 bits (a whole float of 2**63 or more): with
+    ``wide_ok``, that walk is left to the caller (``parse_body``: ``check_body`` walks the
+    body anyway), who then reads ``raw`` with ``parse_stdlib``."""
     if not whole and json_pieces.may_be_costly(raw):
         body = _in_pieces(raw)
         if body is not None:
-            return body
+            return body, False
     if _fast_loads is not None:
         try:
             body = _fast_loads(raw)
@@ -120,9 +128,16 @@ def parse_json_object(raw: bytes, *, whole: bool = False) -> dict[str, Any]:
         else:
             if not isinstance(body, dict):
                 raise bad_request("request body must be a JSON object")
+            if wide_ok:
+                return body, True
             if not _wide_float(body):
-                return body
+                return body, False
             # orjson reads an integer beyond 64 bits as a float: the stdlib keeps it exact.
+    return parse_stdlib(raw), False
+
+
+def parse_stdlib(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, by the stdlib's ``json.loads`` (its error messages)."""
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
@@ -175,8 +190,13 @@ def parse_body(
     raw: bytes, endpoint: Endpoint, limits: BodyLimits = DEFAULT_LIMITS
 ) -> dict[str, Any]:
     """Validate the fields routing reads; everything else is forwarded untouched."""
-    body = parse_json_object(raw)
-    check_body(body, limits)  # bounded shapes first: what follows recurses
+    body, unchecked = _parse(raw, False, True)
+    # Bounded shapes first: what follows recurses. The walk also finds a whole float of
+    # 2**63 or more; in orjson's reading it may be an integer too wide for 64 bits, which
+    # the stdlib reads exactly (parse_json_object's own check, on the one walk).
+    if check_body(body, limits) and unchecked:
+        body = parse_stdlib(raw)
+        check_body(body, limits)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.errors import APIError
-from router.parse import parse_json_object
+from router.limits import check_body
+from router.parse import parse_body, parse_json_object
 
 _scalars = (
     st.none()
@@ -94,3 +95,34 @@ def test_a_wide_integer_stays_an_integer() -> None:
     body = parse_json_object(b'{"max_tokens": 123456789012345678901234567890}')
     assert body["max_tokens"] == 123456789012345678901234567890
     assert type(body["max_tokens"]) is int
+
+
+def _same_body(raw: bytes) -> None:
+    """parse_body reads a chat body as the stdlib does, or refuses it as check_body refuses
+    the stdlib's reading (its walk also finds orjson's reading of a too-wide integer)."""
+    expected = json.loads(raw)
+    try:
+        check_body(expected)
+    except APIError as e:
+        with pytest.raises(APIError) as got:
+            parse_body(raw, "chat")
+        assert got.value.message == e.message
+        return
+    assert repr(parse_body(raw, "chat")) == repr(expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _values, max_size=6), st.booleans())
+def test_chat_bodies_read_as_the_stdlib_reads_them(body: dict[str, Any], ascii_: bool) -> None:
+    # The drawn keys under "extra" and "x": a drawn "n" or "stream" could be refused.
+    chat = {"model": "m", "extra": body, "messages": [{"role": "user", "content": "hi", "x": body}]}
+    _same_body(json.dumps(chat, ensure_ascii=ascii_).encode("utf-8", "surrogatepass"))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"123456789012345678901234567890", b"-9223372036854775809", b"1e19", b'[1, {"y": 1e300}]'],
+)
+def test_a_chat_body_with_a_wide_number(value: bytes) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + value + b"}"
+    _same_body(raw)
