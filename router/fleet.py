@@ -180,6 +180,13 @@ class Fleet:
         """Healthy replicas that serve ``model`` (or have not told us what they serve)."""
         return [r for r in self.replicas.values() if r.healthy and r.has_model(model)]
 
+    def serves(self, model: str) -> bool:
+        """``bool(serving(model))``, from the first such replica on."""
+        for r in self.replicas.values():  # noqa: SIM110 - a loop: no generator per request
+            if r.healthy and r.has_model(model):
+                return True
+        return False
+
     def models(self) -> dict[str, dict[str, Any]]:
         """The union of the healthy replicas' model cards."""
         return {k: v for r in self.healthy() for k, v in r.cards.items()}

@@ -298,7 +298,9 @@ class RequestPath:
         route = self.served(body.get("model"))
         model, lora, entry = route.model, route.lora, route.entry
         fleet = self.wiring.opened
-        if fleet is not None:
+        if fleet is not None and not fleet.serves(model):
+            # Refused here if nothing can take it (serving's errors). Some replica serving
+            # the model is enough: serving() then has candidates (decide asks it again).
             self.upkeep.serving(model, entry=entry, lora=lora)
         if route.alias_of is not None:  # the replicas know the served name only
             body = dict(body)

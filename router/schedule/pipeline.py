@@ -91,14 +91,17 @@ class Pipeline:
     def _removed(self, cycle: Cycle) -> dict[str, Filter]:
         everyone = len(cycle.candidates)
         removed: dict[str, Filter] = {}
-        stages = []
+        sizes = []  # how many the first j + 1 filters removed
         for f in self.filters:
             for url in f.remove(cycle):
                 removed.setdefault(url, f)  # the first filter that removes it names why
-            stages.append(dict(removed))
-        for kept in reversed(stages):  # relax the later filters first
-            if len(kept) < everyone:
-                return kept
+            sizes.append(len(removed))
+        if len(removed) < everyone:
+            return removed
+        for j in range(len(sizes) - 2, -1, -1):  # relax the later filters first
+            if sizes[j] < everyone:
+                kept = self.filters[: j + 1]
+                return {url: f for url, f in removed.items() if any(f is k for k in kept)}
         return {}
 
     def choose(self, req: RoutedRequest, candidates: Sequence[Candidate]) -> Decision:
