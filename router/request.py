@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from router.record import record
+
 if TYPE_CHECKING:
     from router.models import ModelEntry
 
@@ -53,12 +55,9 @@ class Tail:
         return self.head_blocks > 0 and max(matches.values(), default=0) < self.head_blocks
 
 
-@dataclass(slots=True)
+@record
 class RoutedRequest:
-    """An OpenAI request after parsing, tenancy, rendering and hashing. Read-only by
-    convention (``dataclasses.replace`` makes a changed copy), not frozen: a frozen
-    dataclass sets each of its 21 fields through ``object.__setattr__``, ~30k instructions
-    per request.
+    """An OpenAI request after parsing, tenancy, rendering and hashing (read-only).
 
     ``body`` is what is forwarded (the client's fields untouched, plus any ``cache_salt`` the
     tenancy policy set); ``block_hashes`` are the leading full blocks routing looks at, keyed

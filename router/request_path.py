@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from router import blocks, lazy_tail
@@ -36,6 +35,7 @@ from router.models.upkeep import ModelUpkeep
 from router.parse import forwarded_bytes, parse_body, parse_json_object
 from router.prompt import NeedsThread, Renderer, scope
 from router.prompt.lazy import Head
+from router.record import record
 from router.request import Endpoint, RoutedRequest, Tail
 from router.schedule import Decision, Pipeline, from_config
 from router.tenancy import SaltDecision, Tenancy
@@ -56,10 +56,9 @@ ChatConverter = Callable[[dict[str, Any]], dict[str, Any]]
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
-@dataclass(slots=True)
+@record
 class _Admitted:
-    """A parsed request whose model is served and whose salt is decided (read-only; not
-    frozen, which costs an ``object.__setattr__`` call per field)."""
+    """A parsed request whose model is served and whose salt is decided (read-only)."""
 
     endpoint: Endpoint
     body: dict[str, Any]  # as it will be forwarded (the salt policy applied)

@@ -43,6 +43,7 @@ import yaml
 from router.config import Config, ConfigError
 from router.errors import APIError, bad_request
 from router.flow.settings import FlowSettings, parse_flow
+from router.record import record
 from router.salt import validate_cache_salt
 
 log = logging.getLogger("prefix_router.tenancy")
@@ -58,8 +59,8 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@dataclass(slots=True)
-class SaltDecision:  # read-only; not frozen (an object.__setattr__ per field, per request)
+@record
+class SaltDecision:
     salt: str | None
     policy: str
     public_prefix: str | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from router.blocks import cacheable_blocks
+from router.record import record
 from router.request import RoutedRequest
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import HashRing
@@ -28,13 +29,7 @@ class ScheduleError(ValueError):
     person who wrote the config; ``router.config`` reports it as a ``ConfigError``."""
 
 
-# The decision's records (Candidate, ScoredCandidate, Pick, Decision) are read-only by
-# convention, not frozen: a frozen dataclass sets each field through ``object.__setattr__``
-# (~1k instructions a field), and a decision builds ten of them with ~75 fields in all.
-# Nothing assigns to them after construction; ``dataclasses.replace`` makes a changed copy.
-
-
-@dataclass(slots=True)
+@record
 class Candidate:
     """One healthy replica as the scheduler sees it for one decision (read-only)."""
 
@@ -55,7 +50,7 @@ class Candidate:
         return self.inflight
 
 
-@dataclass(slots=True)
+@record
 class ScoredCandidate:
     """A candidate after filters and scorers: ``cost`` is the sum of ``terms`` (read-only)."""
 
@@ -87,7 +82,7 @@ class SpillCause(enum.Enum):
     COST = "cost"  # the scorers' cost: the prefill saved did not outweigh the load
 
 
-@dataclass(slots=True)
+@record
 class Decision:
     """Where a request goes and why, in three words of increasing detail: ``reason`` (a
     ``Branch`` value, or the policy's name for a picker without branches: a metrics label),
@@ -117,7 +112,7 @@ class Decision:
         return {s.url: s.filtered_by for s in self.scores if s.filtered_by}
 
 
-@dataclass(slots=True)
+@record
 class Pick:
     """A picker's choice (read-only)."""
 
