@@ -153,6 +153,56 @@ async def test_new_prefixes_spread_over_the_ring(fleet, gateway):
     assert max(counts.values()) <= 20, counts
 
 
+def _tenant(i: int, question: str = "hi") -> dict:
+    return chat_body(question, system=f"Tenant {i} system prompt. " + LONG_SYSTEM)
+
+
+async def _idle(gw) -> None:
+    """Nothing in flight anywhere: the load counters back at zero after the last answer."""
+
+    async def idle() -> bool:
+        return all(r.inflight == 0 for r in gw.gateway.fleet.replicas.values())
+
+    await wait_for(idle, what="nothing in flight")
+
+
+async def test_a_new_prefix_goes_where_the_least_traffic_went_lately_not_its_ring_owner(
+    fleet, gateway
+):
+    """Two replicas, nothing queued or in flight (queues and in-flight counts tie): tenant 0
+    sent eight requests to its replica lately, the other replica none. A new tenant whose ring
+    owner is that busy replica lands on the other one (by ring order it would land beside
+    tenant 0: a first, uncached prefill in front of tenant 0's next requests)."""
+    replicas = await fleet(2)
+    gw = await gateway([r.url for r in replicas])
+    async with aiohttp.ClientSession() as s:
+        for i in range(8):
+            status, headers, _ = await post(
+                s, gw.url + "/v1/chat/completions", _tenant(0, f"question {i}")
+            )
+            assert status == 200
+        busy = headers[REPLICA_HDR]
+        other = next(r for r in replicas if r.url != busy)
+        await _idle(gw)
+        for i in range(1, 40):  # a tenant whose prefix the ring gives to the busy replica
+            _, _, ex = await post(s, gw.url + "/v1/route/explain", _tenant(i))
+            if ex["decision"]["ring_choice"] == busy:
+                break
+        else:
+            raise AssertionError("no tenant's ring owner is the busy replica")
+        assert ex["decision"]["reason"] == "ring"
+        body = {**_tenant(i), "max_tokens": 4}
+        status, headers, _ = await post(
+            s, gw.url + "/v1/chat/completions", body, {"x-request-id": "new-tenant"}
+        )
+    assert status == 200
+    assert headers[REPLICA_HDR] == other.url
+    # The replicas' own records: the new tenant's request reached the other replica only.
+    ids = {r.url: [x["request_id"] for x in r.stats["records"]] for r in replicas}
+    assert any(i.endswith("new-tenant") for i in ids[other.url]), ids
+    assert not any(i.endswith("new-tenant") for i in ids[busy]), ids
+
+
 async def test_hot_prefix_spills_to_a_second_replica(fleet, gateway):
     # Slow prefill so a burst of the same prefix backs up on its home replica.
     replicas = await fleet(4, prefill_tokens_per_s=20_000, decode_tokens_per_s=200)

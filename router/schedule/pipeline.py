@@ -65,7 +65,7 @@ class Pipeline:
     def placed(self, decision: Decision) -> None:
         """The request is being sent as decided (not called for explain)."""
         if self._tracks_recent:
-            self.recent.add(decision.replica)
+            self.recent.add(decision.replica, decision.uncached_tokens)
         for p in self._placers:
             p.placed(decision, self.recent.clock())
 
@@ -157,6 +157,7 @@ class Pipeline:
             holders=holders,
             copied_blocks=copied,
             prefix_key=routing_key(req),
+            uncached_tokens=max(0, req.num_tokens - chosen.matched_blocks * req.block_size),
         )
 
 

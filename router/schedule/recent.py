@@ -1,33 +1,62 @@
-"""Requests placed on each replica lately: the history the share bound reads."""
+"""Requests placed on each replica lately: the history the share bound and the placement of
+a prefix nobody holds read."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+# When a replica counts as among the least recently busy (``least_recent``): the prefill work
+# placed on it lately (uncached prompt tokens, decayed) is at most ``RECENT_RATIO`` x the
+# least, or it took at most ``RECENT_FLOOR`` requests lately.
+RECENT_RATIO = 1.25
+RECENT_FLOOR = 4.0
 
 
 class RecentCounts:
-    """Requests routed to each replica, exponentially decayed (half-life ``half_life_s``)."""
+    """Requests routed to each replica and the prefill work they brought (uncached prompt
+    tokens), exponentially decayed (half-life ``half_life_s``)."""
 
     def __init__(
         self, half_life_s: float = 10.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.rate = math.log(2) / half_life_s
         self.clock = clock
-        self._values: dict[str, tuple[float, float]] = {}  # url -> (count, at)
+        self._values: dict[str, tuple[float, float, float]] = {}  # url -> (count, work, at)
 
-    def _now(self, url: str, now: float) -> float:
-        value, at = self._values.get(url, (0.0, now))
-        return value * math.exp(-self.rate * (now - at))
+    def _now(self, url: str, now: float) -> tuple[float, float]:
+        count, work, at = self._values.get(url, (0.0, 0.0, now))
+        decay = math.exp(-self.rate * (now - at))
+        return count * decay, work * decay
 
-    def add(self, url: str) -> None:
+    def add(self, url: str, work: float = 0.0) -> None:
         now = self.clock()
-        self._values[url] = (self._now(url, now) + 1.0, now)
+        count, before = self._now(url, now)
+        self._values[url] = (count + 1.0, before + work, now)
 
     def counts(self, urls: Sequence[str]) -> dict[str, float]:
         now = self.clock()
+        return {u: self._now(u, now)[0] for u in urls}
+
+    def both(self, urls: Sequence[str]) -> dict[str, tuple[float, float]]:
+        """url -> (requests, work)."""
+        now = self.clock()
         return {u: self._now(u, now) for u in urls}
+
+
+def least_recent(order: Sequence[str], recent: Mapping[str, tuple[float, float]]) -> list[str]:
+    """Those of ``order`` (a prefix's ring order, kept) whose recent work is at most
+    ``RECENT_RATIO`` x the least, or that took at most ``RECENT_FLOOR`` requests lately.
+    Compared coarsely on purpose: on an idle or evenly loaded fleet every replica qualifies
+    and the caller's next criteria (in flight, ring order) decide as before, alike on every
+    gateway (fleet mode: each gateway counts only its own placements, so their exact counts
+    differ, and a few requests more is noise, not load); a replica is passed over only when
+    it took clearly more work than the least lately (two tenants' where another took one).
+    Work, not requests: a tenant's first request brings its uncached system prompt, so the
+    work also tells how many tenants a replica took lately, not only how often they sent."""
+    least = RECENT_RATIO * min(recent[u][1] for u in order)
+    return [u for u in order if recent[u][1] <= least or recent[u][0] <= RECENT_FLOOR]
 
 
 class PrefixRates:

@@ -100,6 +100,7 @@ class Decision:
     holders: int = 0  # replicas holding the prompt's first block: the prefix's replica set
     copied_blocks: int = 0  # a spill's blocks new to its replica (each may evict one there)
     prefix_key: int = 0  # the request's ring key (block 0's hash): whose prefix this is
+    uncached_tokens: int = 0  # prompt tokens the chosen replica is predicted to prefill
 
     @property
     def terms(self) -> dict[str, dict[str, float]]:

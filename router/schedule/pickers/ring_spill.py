@@ -8,7 +8,13 @@ below the cheapest holder's by more than the cap (the spill must pay for the cop
 else it stays on the cheapest holder. So a hot tenant spills to
 the next replica on its ring, which then holds the copy the following spills reuse, instead of
 seeding copies wherever a queue happens to be short. A prefix nobody holds goes to the replica
-with the shortest queue (ties by ring), so cold tenants spread, then stay where they landed.
+with the shortest queue; among those, to one that took the least prefill work lately
+(uncached prompt tokens placed, decayed, compared coarsely: ``recent.least_recent``), then
+the fewest in flight, then ring order; so cold tenants spread, then stay where they landed.
+On an idle fleet the queues tie, and a tenant's first request (uncached, the longest prefill
+it will send) went by in-flight counts and ring order, beside whichever tenants were there;
+it goes beside the least traffic. The work is compared before the requests in flight: a
+decoding request is gone in a moment, a tenant's traffic stays.
 
 The token queue understates a replica's wait when decode shares its steps or other gateways
 filled it since the last load sync. Two inputs see that: ``ttft_cap_s`` (a holder whose observed
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 
 from router.schedule import registry
 from router.schedule.keys import routing_key
+from router.schedule.recent import least_recent
 from router.schedule.types import Branch, Cycle, Pick, Picker, ScoredCandidate, SpillCause
 
 
@@ -34,8 +41,10 @@ class RingSpill(Picker):
     prefix in ring order (block 0's key) whose pending prefill tokens are <= the cap
     (``prefix``); else the first eligible candidate in ring order whose cost is below the
     cheapest holder's by more than the cap (``spill``); else that cheapest holder. With no holder,
-    the eligible candidate with the fewest pending tokens, then in flight, then ring order
-    (``ring``). ``why`` names the ring position and the queues."""
+    among the eligible candidates with the fewest pending tokens, those whose recent work is at
+    most ``RECENT_RATIO`` x their least or that took at most ``RECENT_FLOOR`` requests lately,
+    then the fewest in flight, then ring order (``ring``). ``why`` names the ring position and
+    the queues."""
 
     @dataclass(frozen=True)
     class Params:
@@ -50,6 +59,7 @@ class RingSpill(Picker):
 
     name = "ring_spill"
     uses_index = True
+    uses_recent = True  # a prefix nobody holds goes where the least work went lately
 
     def __init__(self, params: Params) -> None:
         self.cap = params.queue_cap_tokens
@@ -79,15 +89,18 @@ class RingSpill(Picker):
         pos = {u: i for i, u in enumerate(order)}
         owner = order[0]
         if best == 0:
-            u = min(
-                order,
-                key=lambda u: (cands[u].pending_prefill_tokens, cands[u].inflight, pos[u]),
-            )
+            pending = {u: cands[u].pending_prefill_tokens for u in order}
+            low = min(pending.values())
+            tied = [u for u in order if pending[u] == low]
+            recent = cycle.recent.both(tied)
+            u = min(least_recent(tied, recent), key=lambda u: (cands[u].inflight, pos[u]))
             return Pick(
                 u,
                 Branch.RING,
-                f"nobody holds this prefix: the shortest queue ({cands[u].pending_prefill_tokens} "
-                f"tokens), ring position {pos[u]}",
+                f"nobody holds this prefix: the shortest queue ({pending[u]} tokens), "
+                f"recent work {recent[u][1]:.0f} tokens (least "
+                f"{min(w for _, w in recent.values()):.0f}), {cands[u].inflight} in flight, "
+                f"ring position {pos[u]}",
                 owner,
             )
 

@@ -1,5 +1,6 @@
 """ring_spill on small constructed fleets: stay on holders under the cap, spill along the
-prefix's ring only when it saves more than the cap, spread cold prefixes by queue."""
+prefix's ring only when it saves more than the cap, spread cold prefixes by queue, then by
+recent work."""
 
 from __future__ import annotations
 
@@ -25,6 +26,56 @@ def test_cold_prefix_goes_to_the_shortest_queue_not_the_ring_owner():
     cands = [Candidate(u, pending_prefill_tokens=0 if u == second else 500) for u in URLS]
     d = _policy().choose(r, cands)
     assert (d.replica, d.reason, d.ring_choice) == (second, "ring", owner)
+
+
+def _recent(policy, **placed: tuple[int, int]):
+    """``policy`` placed ``n`` requests of ``work`` uncached tokens each on ``u`` just now
+    (``u=(n, work)``; a frozen clock)."""
+    policy.recent.clock = lambda: 0.0
+    for u, (n, work) in placed.items():
+        for _ in range(n):
+            policy.recent.add(u, work)
+    return policy
+
+
+def test_cold_prefix_on_tied_queues_goes_to_the_least_recent_work_not_the_ring_owner():
+    """Queues tie (an idle fleet): the replica that took clearly less prefill work lately
+    takes the new prefix, even with a request in flight, so a tenant's first, uncached
+    prefill lands beside the fewest other tenants' requests."""
+    r = req(640, first=3)
+    owner, second, third, fourth = _ring(r)
+    cands = [Candidate(u) for u in URLS]
+    policy = _recent(
+        _policy(), **{owner: (8, 1000), second: (8, 1000), third: (5, 800), fourth: (6, 1000)}
+    )
+    d = policy.choose(r, cands)
+    assert (d.replica, d.reason, d.ring_choice) == (third, "ring", owner)
+    assert "recent work 4000 tokens (least 4000), 0 in flight, ring position 2" in d.why
+    # Before the requests in flight (before: the fewest in flight, then ring order: the owner).
+    busy = [Candidate(u, inflight=1 if u == third else 0) for u in URLS]
+    assert policy.choose(r, busy).replica == third
+    # A shorter queue still comes first.
+    queued = [Candidate(u, pending_prefill_tokens=0 if u == second else 100) for u in URLS]
+    assert policy.choose(r, queued).replica == second
+
+
+def test_cold_prefix_on_an_idle_or_evenly_loaded_fleet_goes_by_in_flight_then_ring_order():
+    """Recent work is compared coarsely (at most 1.25x the least, or at most 4 requests
+    lately): an idle fleet, a few requests, or replicas that took about the same work fall to
+    the fewest in flight, then ring order, where every gateway agrees."""
+    r = req(640, first=3)
+    owner, second, third, fourth = _ring(r)
+    cands = [Candidate(u) for u in URLS]
+    assert _policy().choose(r, cands).replica == owner
+    few = _recent(_policy(), **{owner: (4, 2000), second: (1, 100)})
+    assert few.choose(r, cands).replica == owner  # 4 requests: not yet traffic
+    even = {owner: (10, 1000), second: (9, 1000), third: (8, 1000), fourth: (10, 1000)}
+    assert _recent(_policy(), **even).choose(r, cands).replica == owner  # 10k <= 1.25 x 8k
+    uneven = {**even, owner: (11, 1000)}
+    assert _recent(_policy(), **uneven).choose(r, cands).replica == second  # 11k > 10k
+    near = {owner: (8, 1000), second: (7, 1000), third: (20, 1000), fourth: (20, 1000)}
+    busy = [Candidate(u, inflight=1 if u == owner else 0) for u in URLS]
+    assert _recent(_policy(), **near).choose(r, busy).replica == second  # then in flight
 
 
 def test_holder_under_the_cap_keeps_the_prefix_even_when_another_is_idle():
