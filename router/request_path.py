@@ -24,7 +24,7 @@ from router import blocks, lazy_tail
 from router.config import Config
 from router.errors import bad_request
 from router.fleet import Replica
-from router.flow.controller import FlowConfig, FlowController, FlowRequest, Ticket
+from router.flow.controller import Estimate, FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
 from router.forward import Outcome
 from router.learning import Learner, Observer
@@ -397,19 +397,34 @@ class RequestPath:
         429 ``APIError``."""
         return await self.flow.admit(self.flow_request(rr, headers), lambda: self.uncached(rr))
 
-    async def uncached(self, rr: RoutedRequest) -> tuple[int, tuple[str, ...]]:
+    async def uncached(self, rr: RoutedRequest) -> Estimate:
         """Prompt tokens the best-placed replica would prefill, and the replicas holding that
         much: the scheduler's prefix match (the index lookup a decision makes), without a
-        decision."""
+        decision. Nobody holding it: also the policy's choice among given replicas
+        (``place_unheld``), for flow control's slot."""
         replicas = self._flow_replicas(rr.model)
         if not replicas or not self.policy.uses_index:
-            return rr.num_tokens, ()
+            return rr.num_tokens, (), None
         matches = await self.wiring.index.match(rr.block_hashes, [r.url for r in replicas])
         best = min(
             max(matches.values(), default=0), blocks.cacheable_blocks(rr.num_tokens, rr.block_size)
         )
-        holders = tuple(url for url, m in matches.items() if best and min(m, best) == best)
-        return max(0, rr.num_tokens - best * rr.block_size), holders
+        uncached = max(0, rr.num_tokens - best * rr.block_size)
+        if not best:
+            return uncached, (), functools.partial(self.place_unheld, rr)
+        holders = tuple(url for url, m in matches.items() if min(m, best) == best)
+        return uncached, holders, None
+
+    def place_unheld(self, rr: RoutedRequest, urls: list[str]) -> str:
+        """The policy's replica for ``rr`` among ``urls`` while nobody holds its prefix: its
+        picker's rule for a cold prefix (ring_spill: shortest queue, fewest in flight, least
+        recent traffic, ring order), read now. Flow control reserves the request's slot there
+        and ``decide(..., slot=)`` sends it there: one rule for both."""
+        wanted = set(urls)
+        replicas = [r for r in self._flow_replicas(rr.model) if r.url in wanted]
+        if not replicas:
+            return urls[0]
+        return self.policy.choose(rr, [r.candidate(0) for r in replicas]).replica
 
     async def decide(
         self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None

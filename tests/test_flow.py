@@ -7,7 +7,7 @@ read that order from the replica's own records, never from timing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -195,6 +195,66 @@ async def test_a_prefix_nobody_holds_does_not_take_the_slot_an_earlier_request_w
     # before: y-new took the slot (its tenant used less) and x-late waited its prefill out
     assert setup.served()[-2:] == ["x-late", "y-new"]
     assert [r[1]["x-prefix-router-replica"] for r in results] == [a.url, a.url]
+    assert gw.gateway.flow.in_prefill(MODEL) == 0
+
+
+async def test_a_prefix_nobody_holds_takes_its_slot_where_the_scheduler_would_place_it(
+    fleet, gateway
+) -> None:
+    """Three replicas; x sent eight requests lately to the first by name; a request held on
+    another keeps the fleet from idle, so new tenant y's first request passes through the
+    queue, where flow control picks its slot among the two free replicas. It picks the
+    scheduler's choice (the least recent traffic: the third replica), not the first by name
+    (x's replica: y's first, uncached prefill beside x's next requests)."""
+    replicas = await fleet(3)
+    gw = await gateway([r.url for r in replicas], flow_control=True, tenant_header="X-Tenant")
+    first = min(r.url for r in replicas)
+    async with aiohttp.ClientSession() as http:
+
+        def prompt(tenant: str, i: int = 0) -> dict[str, Any]:
+            system = f"You answer questions for tenant {tenant}. " * 40  # a prefix per tenant
+            return chat_body(f"Question number {i}", system=system, max_tokens=8)
+
+        def send(rid: str, tenant: str, i: int = 0) -> Awaitable[tuple[int, Any, Any]]:
+            headers = {"X-Tenant": tenant, "x-request-id": rid}
+            return post(http, gw.url + "/v1/chat/completions", prompt(tenant, i), headers)
+
+        async def find(name: str, wanted: Callable[[dict[str, Any]], bool]) -> tuple[str, str]:
+            """A tenant ``name<k>`` whose decision now (explain's) is ``wanted``; its replica."""
+            for k in range(60):
+                body = prompt(f"{name}{k}")
+                _, _, ex = await post(http, gw.url + "/v1/route/explain", body)
+                if wanted(ex["decision"]):
+                    return f"{name}{k}", ex["decision"]["replica"]
+            raise AssertionError(f"no tenant {name}<k> as wanted")
+
+        # x: a tenant whose ring owner is the first replica by name
+        x, _ = await find("x", lambda d: d["ring_choice"] == first)
+        for i in range(8):
+            status, headers, _ = await send(f"{x}-{i}", x, i)
+            assert status == 200 and headers["x-prefix-router-replica"] == first
+
+        async def idle() -> bool:
+            return all(r.inflight == 0 for r in gw.gateway.fleet.replicas.values())
+
+        await wait_for(idle, what="nothing in flight")
+        h, url = await find("h", lambda d: d["replica"] != first)
+        held = next(r for r in replicas if r.url == url)
+        third = next(r for r in replicas if r.url not in (first, held.url))
+        held.hang_next(1)
+        task = asyncio.create_task(send("h-held", h))
+
+        async def hanging() -> bool:
+            return held.hanging == 1
+
+        await wait_for(hanging, what="h held")
+        status, headers, _ = await send("y-new", "y")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert status == 200
+    # before: the first free replica by name, x's
+    assert headers["x-prefix-router-replica"] == third.url
+    assert "y-new" in Setup(third, gw, http).served()
     assert gw.gateway.flow.in_prefill(MODEL) == 0
 
 

@@ -86,11 +86,20 @@ class FlowRequest:
     stream: bool
 
 
+# The scheduler's choice for a request among the given replicas, while nobody holds its
+# prefix (``Capacity.best_unheld``): the picker's rule, so the slot is where it would go.
+Place = Callable[[list[str]], str]
+# What the scheduler says of a request before it is queued: prompt tokens the best-placed
+# replica would prefill, the replicas holding that much, and (none holding it) its ``Place``.
+Estimate = tuple[int, tuple[str, ...], Place | None]
+
+
 @dataclass(eq=False)
 class _Waiter:
     future: asyncio.Future[None]
     ticket: Ticket
     holders: tuple[str, ...] = ()  # replicas holding its longest cached prefix
+    place: Place | None = None  # nobody holds it: where the scheduler would send it
 
 
 class FlowController:
@@ -168,7 +177,7 @@ class FlowController:
     async def admit(
         self,
         req: FlowRequest,
-        estimate: Callable[[], Awaitable[tuple[int, tuple[str, ...]]]],
+        estimate: Callable[[], Awaitable[Estimate]],
     ) -> Ticket:
         """A ticket once the request may go to the scheduler; a 429 ``APIError`` when it is
         shed. Cancelled (the client left) while waiting: out of the queue, nothing held."""
@@ -199,14 +208,19 @@ class FlowController:
         # Busy: what the request costs decides its place among its band's tenants, and
         # where its prefix is cached decides which replica's free slot it waits for (it is
         # released at once when one is free).
-        uncached, holders = await estimate()
+        uncached, holders, place = await estimate()
         ticket.cost = uncached + self.config.decode_token_cost * self.expected_output(
             req.max_tokens
         )
-        return await self._wait(req, ticket, cap, holders)
+        return await self._wait(req, ticket, cap, holders, place)
 
     async def _wait(
-        self, req: FlowRequest, ticket: Ticket, cap: Capacity | None, holders: tuple[str, ...]
+        self,
+        req: FlowRequest,
+        ticket: Ticket,
+        cap: Capacity | None,
+        holders: tuple[str, ...],
+        place: Place | None = None,
     ) -> Ticket:
         s = req.settings
         q = self.queue(req.model)
@@ -228,7 +242,7 @@ class FlowController:
                 ticket.headers,
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), ticket, holders)
+        waiter = _Waiter(loop.create_future(), ticket, holders, place)
         ahead = q.depth(s.band) + sum(q.depth(b) for b in BANDS if BAND_RANK[b] < BAND_RANK[s.band])
         entry = q.push(
             Entry(waiter, req.tenant, req.session, s.band, ticket.cost, s.weight, self.clock())
@@ -447,7 +461,7 @@ class _Fit:
         holders = entry.item.holders
         if self.cap.known(holders):
             return self.cap.best(holders)
-        return self.cap.best_unheld(self.waiting(), entry.seq)
+        return self.cap.best_unheld(self.waiting(), entry.seq, entry.item.place)
 
 
 def _describe(cap: Capacity | None) -> str:

@@ -13,7 +13,7 @@ mostly cached requests over ``ttft_max_s`` (0: not used). Other gateways' reques
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,20 +78,25 @@ class Capacity:
         usable = [h for h in holders if self.free_by_replica.get(h, 0.0) > 0]
         return max(usable, key=lambda h: self.free_by_replica[h]) if usable else None
 
-    def best_unheld(self, waiting: Waiting, seq: int) -> str | None:
+    def best_unheld(
+        self, waiting: Waiting, seq: int, place: Callable[[list[str]], str] | None = None
+    ) -> str | None:
         """Where a request whose prefix nobody holds (queued as ``seq``) may take a slot: a
-        free replica no earlier queued request is waiting for, the one fewest wait for (then
-        the most free slots); None if there is none. A request that can go anywhere does not
-        take the one replica an earlier request must wait for: its prefill (a prefix's first,
-        uncached) would hold every request queued for that replica."""
-        usable = [
-            u
-            for u, f in self.free_by_replica.items()
-            if f > 0 and waiting.oldest.get(u, math.inf) > seq
-        ]
+        free replica no earlier queued request is waiting for, among those the fewest wait for
+        (then with the most free slots) the one ``place`` picks (the scheduler's own choice
+        for the request among them: the picker's rule for a prefix nobody holds), else the
+        first by name; None if there is none. A request that can go anywhere does not take the
+        one replica an earlier request must wait for: its prefill (a prefix's first, uncached)
+        would hold every request queued for that replica."""
+        free = self.free_by_replica
+        usable = [u for u, f in free.items() if f > 0 and waiting.oldest.get(u, math.inf) > seq]
         if not usable:
             return None
-        return min(usable, key=lambda u: (waiting.count.get(u, 0), -self.free_by_replica[u], u))
+        low = min((waiting.count.get(u, 0), -free[u]) for u in usable)
+        tied = sorted(u for u in usable if (waiting.count.get(u, 0), -free[u]) == low)
+        if place is None or len(tied) == 1:
+            return tied[0]
+        return place(tied)
 
     def describe(self) -> dict[str, Any]:
         return {
