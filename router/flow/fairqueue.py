@@ -14,6 +14,11 @@ queued: charged by cost and remembered, the session that happened to carry the t
 first, uncached request (its system prompt, cached for all its sessions after) was held
 behind the tenant's other sessions' later requests for tens of seconds (traced in the
 noisy-neighbour benchmark: a quiet request overtaken by six of its tenant's later ones).
+A session that becomes backlogged starts no earlier than the tenant's session at the head
+(the least start tag waiting): with their pasts forgotten, sessions sending one request at a
+time each started at the tenant's virtual time, one turn before a session that had two
+queued, and went ahead of its second request as long as they kept coming (traced: a request
+overtaken by three later ones of its tenant and queued 6.4 s in the first contacts).
 Bands are strict priority: nothing of a lower band leaves while a higher band has a
 request queued.
 """
@@ -111,6 +116,8 @@ class FairQueue(Generic[T]):
         session.size += 1
         if session.size == 1:  # newly backlogged session: its past is forgotten
             session.start = tenant.vtime
+            if tenant.size:  # but it does not go before the tenant's longest-waiting one
+                session.start = max(session.start, self._head_session(tenant)[1].start)
             self._push_session(tenant, entry.session, session)
         tenant.size += 1
         if tenant.size == 1:  # newly backlogged tenant

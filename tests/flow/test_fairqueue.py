@@ -244,3 +244,19 @@ def test_a_tenants_sessions_take_turns_by_request():
         push(q, f"u1-{i}", "t", cost=144, session="u1")
     # by cost, u1 went three times before u0's second request
     assert drain(q) == ["big", "u1-0", "u0-small", "u1-1", "u1-2"]
+
+
+def test_a_session_with_a_request_waiting_is_not_overtaken_by_sessions_coming_back():
+    """u0's second request waits behind its first; u1-u3 each send one request at a time.
+    Their next requests come after u0's second (it waited longer; turns by request): with
+    their pasts forgotten, they started a turn before it and overtook it again and again."""
+    for burst in (0.0, 4096.0):
+        q: FairQueue[str] = FairQueue(burst=burst)
+        push(q, "u0-0", "t", session="u0")
+        for u in ("u1", "u2", "u3"):
+            push(q, f"{u}-0", "t", session=u)
+        push(q, "u0-1", "t", session="u0")
+        out = [e.item for e in (q.pop(), q.pop(), q.pop(), q.pop()) if e is not None]
+        for u in ("u1", "u2", "u3"):
+            push(q, f"{u}-1", "t", session=u)
+        assert out + drain(q) == ["u0-0", "u1-0", "u2-0", "u3-0", "u0-1", "u1-1", "u2-1", "u3-1"]
