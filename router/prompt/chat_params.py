@@ -196,13 +196,24 @@ def chat_kwargs(
     return out
 
 
+# A template's variables -> the kwargs it accepts (the same set for all its requests).
+_ACCEPTED: dict[frozenset[str], frozenset[str]] = {}
+
+
 def template_kwargs(
     kwargs: Mapping[str, Any], variables: frozenset[str], special_tokens_map: Mapping[str, Any]
 ) -> tuple[dict[str, Any], Any]:
     """vLLM's resolve_chat_template_kwargs: keep what the template or apply_chat_template
     knows, reject what would collide with a Python parameter, and split off the documents.
     Returns (the kwargs the template is rendered with, the documents)."""
-    accepted = (variables | _HF_CHAT_PARAMS) - {"chat_template", "tokenize"}
+    accepted = _ACCEPTED.get(variables)
+    if accepted is None:
+        if len(_ACCEPTED) >= 64:  # one entry per template seen: a handful
+            _ACCEPTED.clear()
+        accepted = _ACCEPTED[variables] = (variables | _HF_CHAT_PARAMS) - {
+            "chat_template",
+            "tokenize",
+        }
     for k in kwargs:
         if k in _COLLIDING_KWARGS_ANY:
             raise error(f"chat_template_kwargs may not set {k!r}", "chat_template_kwargs")

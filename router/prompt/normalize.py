@@ -314,8 +314,11 @@ class ChatNormalizer:
                 "least one message.",
                 "messages",
             )
-        if not compiled.developer and any(m["role"] == "developer" for m in conv):
-            conv = developer_to_system(conv)
+        if not compiled.developer:
+            for m in conv:
+                if m["role"] == "developer":
+                    conv = developer_to_system(conv)
+                    break
         template_kwargs, docs = chat_params.template_kwargs(
             kwargs, compiled.variables, self.special_tokens_map
         )
