@@ -108,13 +108,29 @@ class PromptIds(array):  # type: ignore[type-arg,unused-ignore]
 # Keys only find candidates (the text check decides), so ``repr`` (insertion-ordered) serves
 # where a message has more than a role and a text: equal messages built alike give the same
 # key in this process. A role and a text are hashed as they are: ``repr`` of a 20 KB text
-# costs ~0.3M instructions (it escapes every character), its UTF-8 bytes a copy.
+# costs ~0.3M instructions (it escapes every character). A long text is keyed by its length
+# and its two ends (a copy of a 20 KB system prompt's UTF-8 bytes to hash it whole cost ~25k
+# instructions a request): texts of one length that differ only inside (a date, a name in
+# a templated system prompt) share a key, and a key holds up to ``_BUCKET`` states, so they
+# do not evict each other (tests/prompt/test_prefix_state.py).
+_WHOLE_CHARS = 1024  # a text up to this long is hashed whole
+_END_CHARS = 256  # else its first and last this many characters, and its length
+
+
+def _text_key(text: str, seed: int) -> int:
+    digest = xxhash.xxh3_64_intdigest
+    n = len(text)
+    if n <= _WHOLE_CHARS:
+        return digest(text.encode("utf-8", "surrogatepass"), seed)
+    ends = text[:_END_CHARS] + text[n - _END_CHARS :]
+    return digest(ends.encode("utf-8", "surrogatepass"), seed ^ n)
+
+
 def _message_key(m: Mapping[str, Any], seed: int) -> int:
     content, role = m.get("content"), m.get("role")
     digest = xxhash.xxh3_64_intdigest
     if len(m) == 2 and isinstance(content, str) and isinstance(role, str):
-        seed = digest(role.encode("utf-8", "surrogatepass"), seed)
-        return digest(content.encode("utf-8", "surrogatepass"), seed)
+        return _text_key(content, digest(role.encode("utf-8", "surrogatepass"), seed))
     return digest(repr(m).encode("utf-8", "surrogatepass"), seed)
 
 
@@ -142,13 +158,17 @@ def message_keys(norm: Mapping[str, Any], scope: int) -> list[int]:
     return keys
 
 
+_BUCKET = 4  # states kept under one key (prompts whose messages share keys)
+
+
 class PrefixStates:
-    """The LRU of prefix states of one renderer (thread-safe), bounded by cached tokens."""
+    """The LRU of prefix states of one renderer (thread-safe), bounded by cached tokens.
+    Each key holds a few states (a tuple, the most recent last), used most recent first."""
 
     def __init__(self, max_tokens: int = DEFAULT_PREFIX_STATE_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        self._states: OrderedDict[int, PrefixState] = OrderedDict()
+        self._states: OrderedDict[int, tuple[PrefixState, ...]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -158,16 +178,18 @@ class PrefixStates:
         """The state of the most leading messages that ``text`` starts with."""
         states = self._states
         for k in range(len(keys) - 1, 0, -1):
-            state = states.get(keys[k])
-            if state is None:
+            bucket = states.get(keys[k])
+            if bucket is None:
                 continue
-            if state.is_prefix_of(text):
-                with self._lock:
-                    if keys[k] in states:
-                        states.move_to_end(keys[k])
-                self.hits += 1
-                return state
-            self.rejected += 1
+            for i in range(len(bucket) - 1, -1, -1):
+                state = bucket[i]
+                if state.is_prefix_of(text):
+                    with self._lock:
+                        if keys[k] in states:
+                            states.move_to_end(keys[k])
+                    self.hits += 1
+                    return state
+                self.rejected += 1
         self.misses += 1
         return None
 
@@ -176,30 +198,31 @@ class PrefixStates:
     ) -> PrefixState | None:
         """Keep ``ids[:tokens]`` as the state of ``text[:chars]`` under ``key`` (unless one
         with the same text is there: nothing is copied then); returns the new state, or
-        None."""
+        None. A key's oldest state goes when it holds ``_BUCKET``."""
         if tokens == 0 or tokens > self.max_tokens // 4:
             return None
         with self._lock:
-            old = self._states.get(key)
-            if old is not None and old.chars == chars and text.startswith(old.text):
-                self._states.move_to_end(key)
-                return None
+            for old in self._states.get(key, ()):
+                if old.chars == chars and text.startswith(old.text):
+                    self._states.move_to_end(key)
+                    return None
         state = PrefixState(text, chars, ids, tokens)
         with self._lock:
-            old = self._states.get(key)
-            if old is not None:
-                self.tokens -= old.tokens
-            self._states[key] = state
+            bucket = self._states.get(key, ())
+            if len(bucket) >= _BUCKET:
+                self.tokens -= bucket[0].tokens
+                bucket = bucket[1:]
+            self._states[key] = (*bucket, state)
             self._states.move_to_end(key)
             self.tokens += tokens
             while self.tokens > self.max_tokens and self._states:
                 _, evicted = self._states.popitem(last=False)
-                self.tokens -= evicted.tokens
+                self.tokens -= sum(s.tokens for s in evicted)
         return state
 
     def info(self) -> dict[str, int]:
         return {
-            "entries": len(self._states),
+            "entries": sum(len(b) for b in self._states.values()),
             "tokens": self.tokens,
             "max_tokens": self.max_tokens,
             "hits": self.hits,

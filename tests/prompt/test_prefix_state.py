@@ -289,3 +289,33 @@ def test_truncation_drops_the_prefix_state(keep: int) -> None:
     ids = live.chat_ids(copy.deepcopy(body))
     assert list(ids) == reference.tokenize_chat(body)
     assert getattr(ids, "prefix", None) is None  # the truncated ids are not its prefix
+
+
+def test_long_texts_that_differ_only_inside_keep_their_own_states() -> None:
+    """A long text is keyed by its length and ends: system prompts of one length that differ
+    in the middle (a date) share a key, and each keeps its state under it (no eviction of
+    the other, no full path once both were seen); a fifth variant evicts the oldest."""
+    live, reference = Renderer(tokenizer()), family("qwen3")[1]
+    half = "You are helpful. " * 100
+
+    def system(day: int) -> dict[str, Any]:
+        return {"role": "system", "content": f"{half}Today is 2026-12-{day:02d}. {half}"}
+
+    for day in (1, 2):
+        live.chat_ids(_chat(system(day), {"role": "user", "content": "first"}))
+    for turn in range(3):
+        for day in (1, 2):
+            body = _chat(system(day), {"role": "user", "content": f"q{turn}"})
+            ids = live.chat_ids(body)
+            assert isinstance(ids, PromptIds) and ids.prefix is not None
+            assert list(ids) == reference.tokenize_chat(body)
+    for day in (3, 4, 5):  # the key's bucket holds four: day 1's state is the oldest
+        live.chat_ids(_chat(system(day), {"role": "user", "content": "first"}))
+    body = _chat(system(1), {"role": "user", "content": "again"})
+    ids = live.chat_ids(body)
+    assert getattr(ids, "prefix", None) is None
+    assert list(ids) == reference.tokenize_chat(body)
+    body = _chat(system(5), {"role": "user", "content": "again"})
+    ids = live.chat_ids(body)
+    assert isinstance(ids, PromptIds) and ids.prefix is not None
+    assert list(ids) == reference.tokenize_chat(body)
