@@ -128,7 +128,9 @@ class ModelUpkeep:
         base model's replicas (the chosen one loads it, ``ensure_adapter``)."""
         fleet = self._fleet()
         assert fleet is not None
-        replicas = [r for r in fleet.serving(model) if r.url not in exclude]
+        replicas = fleet.serving(model)
+        if exclude:
+            replicas = [r for r in replicas if r.url not in exclude]
         if not replicas and lora is not None and self.may_load(lora):
             base = entry.name if entry is not None else ""
             replicas = [r for r in fleet.serving(base) if r.url not in exclude]

@@ -61,6 +61,8 @@ class Pipeline:
         self._first_byte = [p for p in plugins if Hook.FIRST_BYTE in p.hooks]
         self._done = [p for p in plugins if Hook.DONE in p.hooks]
         self.recent = RecentCounts()
+        # (name, bound score method, weight) per scorer: looked up once, not per candidate.
+        self._scoring = [(s.name, s.score, w) for s, w in self.scorers]
 
     def placed(self, decision: Decision) -> None:
         """The request is being sent as decided (not called for explain)."""
@@ -111,13 +113,13 @@ class Pipeline:
         cycle = Cycle(req, candidates, ring, self.recent)
         removed = self._removed(cycle)
         scored = []
-        scorers = self.scorers
+        scorers = self._scoring
         limit = cycle.limit
         holders = 0
         for c in candidates:
             terms = {}
-            for s, w in scorers:
-                terms[s.name] = w * s.score(cycle, c)
+            for name, score, w in scorers:
+                terms[name] = w * score(cycle, c)
             f = removed.get(c.url)
             held = c.matched_blocks if c.matched_blocks < limit else limit  # cycle.held(c)
             holders += held > 0
@@ -145,19 +147,22 @@ class Pipeline:
         if pick.branch is Branch.SPILL:
             cause = pick.cause.value if pick.cause is not None else _spill_cause(scored)
             copied = max(s.matched_blocks for s in scored) - chosen.matched_blocks
+        # Positional, in the field order (replica, matched_blocks, reason, policy, scores,
+        # ring_choice, why, cause, holders, copied_blocks, prefix_key, uncached_tokens):
+        # twelve keywords cost twice the call.
         return Decision(
-            replica=pick.replica,
-            matched_blocks=chosen.matched_blocks,
-            reason=reason,
-            policy=self.name,
-            scores=tuple(scored),
-            ring_choice=pick.ring_choice,
-            why=pick.why,
-            cause=cause,
-            holders=holders,
-            copied_blocks=copied,
-            prefix_key=routing_key(req),
-            uncached_tokens=max(0, req.num_tokens - chosen.matched_blocks * req.block_size),
+            pick.replica,
+            chosen.matched_blocks,
+            reason,
+            self.name,
+            tuple(scored),
+            pick.ring_choice,
+            pick.why,
+            cause,
+            holders,
+            copied,
+            routing_key(req),
+            max(0, req.num_tokens - chosen.matched_blocks * req.block_size),
         )
 
 

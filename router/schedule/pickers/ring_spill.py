@@ -107,7 +107,7 @@ class RingSpill(Picker):
         cap, ttft_cap = self.cap, self.ttft_cap
         held = [u for u in order if eligible[u].matched_blocks == best]
         # Where the prefix's replica set stands: how many hold it, at which ring positions.
-        note = f" [held by {len(held)} at ring positions {','.join(str(pos[u]) for u in held)}]"
+        note = f" [held by {len(held)} at ring positions {','.join([str(pos[u]) for u in held])}]"
         for u in held:
             queued = cands[u].pending_prefill_tokens
             if queued <= cap and not (ttft_cap and cands[u].ttft_s > ttft_cap):  # not slow(u)
