@@ -265,6 +265,10 @@ def developer_to_system(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "\n\n".join(contents)}, *rest]
 
 
+# The fields chat_params.chat_kwargs reads besides the flags (None is as absent).
+_KWARGS_FIELDS = ("chat_template_kwargs", "chat_template", "reasoning_effort", "documents")
+
+
 class ChatNormalizer:
     """Turns a chat request body into the inputs vLLM hands the chat template."""
 
@@ -282,6 +286,13 @@ class ChatNormalizer:
         self.default_chat_template_kwargs = default_chat_template_kwargs
         self.special_tokens_map = special_tokens_map
         self.trust_request_mm_kwargs = trust_request_mm_kwargs
+        # (add_generation_prompt, continue_final_message) -> (chat kwargs, the template
+        # variables they were filtered for, template kwargs, documents) of a body that sets
+        # none of _KWARGS_FIELDS: the server's defaults and the flags, the same for every
+        # such request (chat_params.chat_kwargs reads nothing else of a body).
+        self._plain: dict[
+            tuple[bool, bool], tuple[dict[str, Any], frozenset[str], dict[str, Any], Any]
+        ] = {}
 
     def normalize(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The inputs vLLM hands the chat template for this body: ``{"conversation",
@@ -299,7 +310,20 @@ class ChatNormalizer:
             )
         add_special = bool_field(body, "add_special_tokens", False)
         check_mm_kwargs(body, self.trust_request_mm_kwargs)
-        kwargs = chat_params.chat_kwargs(body, agp, cfm, self.default_chat_template_kwargs)
+        # A body that sets none of the fields chat_kwargs reads (but the flags) gets the
+        # server's defaults and the flags: kept per flags, and per template below.
+        plain_kwargs = (  # _KWARGS_FIELDS, spelled out: no generator per request
+            body.get("chat_template_kwargs") is None
+            and body.get("chat_template") is None
+            and body.get("reasoning_effort") is None
+            and body.get("documents") is None
+        )
+        found = self._plain.get((agp, cfm)) if plain_kwargs else None
+        kwargs = (
+            found[0]
+            if found is not None
+            else chat_params.chat_kwargs(body, agp, cfm, self.default_chat_template_kwargs)
+        )
         chat_params.check_tool_choice(body)
         tools = chat_params.tools(body)
         if "tools" in kwargs:  # a chat_template_kwargs "tools" replaces the request's
@@ -319,9 +343,21 @@ class ChatNormalizer:
                 if m["role"] == "developer":
                     conv = developer_to_system(conv)
                     break
-        template_kwargs, docs = chat_params.template_kwargs(
-            kwargs, compiled.variables, self.special_tokens_map
-        )
+        if found is None:
+            template_kwargs, docs = chat_params.template_kwargs(
+                kwargs, compiled.variables, self.special_tokens_map
+            )
+            if plain_kwargs:  # the same for every such request
+                if len(self._plain) >= 16:
+                    self._plain.clear()
+                kept = (kwargs, compiled.variables, dict(template_kwargs), docs)
+                self._plain[(agp, cfm)] = kept
+        elif found[1] is compiled.variables:
+            template_kwargs, docs = dict(found[2]), found[3]  # a copy: the caller's to keep
+        else:  # another template (tools chose it): the defaults' kwargs, filtered for it
+            template_kwargs, docs = chat_params.template_kwargs(
+                kwargs, compiled.variables, self.special_tokens_map
+            )
         return {
             "conversation": conv,
             "tools": tools,

@@ -369,3 +369,33 @@ def test_a_string_content_is_its_one_text_part(fmt: Any, role: str, text: str) -
     got = content_parts(role, text, 0, fmt)
     assert got == content_parts(role, [{"type": "text", "text": text}], 0, fmt)
     assert type(got) is type(content_parts(role, [{"type": "text", "text": text}], 0, fmt))
+
+
+@pytest.mark.parametrize(
+    "defaults", [None, {"enable_thinking": False}, {"documents": [{"t": "x"}]}]
+)
+def test_template_kwargs_kept_for_plain_bodies_are_the_computed_ones(defaults: Any) -> None:
+    """A body that sets no chat_template_kwargs, reasoning_effort or documents gets the
+    template kwargs kept from an earlier such body with the same flags: the same as a
+    fresh renderer computes, with or without tools, and a copy each time."""
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    bodies = [
+        {"messages": msgs},
+        {"messages": msgs, "add_generation_prompt": False},
+        {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True},
+        {"messages": msgs, "tools": [tool]},
+        {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}},
+        {"messages": msgs, "reasoning_effort": "none"},
+        {"messages": msgs, "documents": [{"title": "a", "text": "b"}]},
+        {"messages": msgs, "chat_template_kwargs": None, "documents": None},
+    ]
+    kept = Renderer(tokenizer(), default_chat_template_kwargs=defaults)
+    fresh = Renderer(tokenizer(), default_chat_template_kwargs=defaults)
+    for _ in range(3):
+        for body in bodies:
+            got = kept.normalize_chat(body)
+            fresh._normalizer._plain.clear()  # computed, not kept
+            assert got == fresh.normalize_chat(body)
+            got["template_kwargs"]["mutated"] = True  # the caller's copy
+    assert "mutated" not in kept.normalize_chat(bodies[0])["template_kwargs"]
