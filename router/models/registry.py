@@ -96,9 +96,10 @@ class ModelEntry:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Route:
-    """What a request's ``model`` resolves to."""
+    """What a request's ``model`` resolves to (read-only; not frozen: one is built per
+    request, and a frozen dataclass sets each field through ``object.__setattr__``)."""
 
     entry: ModelEntry
     model: str  # the served name (after aliases): what is forwarded
