@@ -134,9 +134,36 @@ def _message_key(m: Mapping[str, Any], seed: int) -> int:
     return digest(repr(m).encode("utf-8", "surrogatepass"), seed)
 
 
+# (scope, flags, template kwargs' items) -> context key, for contexts without tools or
+# documents (the common case: ``repr`` of the context was ~10k instructions a request).
+# Keys only find candidates: values equal but of different types (1, True) may share one.
+_CONTEXTS: dict[tuple[Any, ...], int] = {}
+
+
 def context_key(norm: Mapping[str, Any], scope: int) -> int:
     """What the rendered text depends on besides the messages, hashed with the cache-salt
     scope: states are never shared across scopes (nor across renderers: one cache each)."""
+    if norm["tools"] is None and norm["documents"] is None:
+        memo = (
+            scope,
+            norm["add_generation_prompt"],
+            norm["continue_final_message"],
+            norm["add_special_tokens"],
+            *norm["template_kwargs"].items(),
+        )
+        try:
+            found = _CONTEXTS.get(memo)
+        except TypeError:  # a value that cannot be hashed (a list): computed
+            return _context_key(norm, scope)
+        if found is None:
+            if len(_CONTEXTS) >= 256:
+                _CONTEXTS.clear()
+            found = _CONTEXTS[memo] = _context_key(norm, scope)
+        return found
+    return _context_key(norm, scope)
+
+
+def _context_key(norm: Mapping[str, Any], scope: int) -> int:
     ctx = [
         norm["tools"],
         norm["template_kwargs"],

@@ -319,3 +319,36 @@ def test_long_texts_that_differ_only_inside_keep_their_own_states() -> None:
     ids = live.chat_ids(body)
     assert isinstance(ids, PromptIds) and ids.prefix is not None
     assert list(ids) == reference.tokenize_chat(body)
+
+
+def test_context_keys_kept_per_context_are_the_computed_ones() -> None:
+    from router.prompt.prefix_state import _context_key, context_key
+
+    def norm(**changes: Any) -> dict[str, Any]:
+        base = {
+            "tools": None,
+            "documents": None,
+            "template_kwargs": {"eos_token": "<e>", "pad_token": "<p>"},
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+            "add_special_tokens": False,
+        }
+        return {**base, **changes}
+
+    variants = [
+        norm(),
+        norm(add_generation_prompt=False),
+        norm(add_special_tokens=True),
+        norm(template_kwargs={"eos_token": "<e>"}),
+        norm(template_kwargs={"enable_thinking": False, "eos_token": "<e>"}),
+        norm(template_kwargs={"x": [1, 2]}),  # not hashable: computed each time
+        norm(tools=[{"type": "function"}]),
+        norm(documents=[{"text": "d"}]),
+    ]
+    keys = set()
+    for _ in range(2):
+        for scope in (0, 7):
+            for n in variants:
+                assert context_key(n, scope) == _context_key(n, scope)
+                keys.add(context_key(n, scope))
+    assert len(keys) == 2 * len(variants)
