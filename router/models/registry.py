@@ -24,6 +24,7 @@ from router.models import blocksize, tokenizers
 from router.models.drift import DriftWatch
 from router.models.spec import ModelSpec, adapter_paths, alias_map, parse_models
 from router.prompt import Renderer
+from router.record import record
 
 log = logging.getLogger("prefix_router.models")
 
@@ -96,10 +97,9 @@ class ModelEntry:
         }
 
 
-@dataclass(slots=True)
+@record
 class Route:
-    """What a request's ``model`` resolves to (read-only; not frozen: one is built per
-    request, and a frozen dataclass sets each field through ``object.__setattr__``)."""
+    """What a request's ``model`` resolves to (a ``record``: one is built per request)."""
 
     entry: ModelEntry
     model: str  # the served name (after aliases): what is forwarded
