@@ -157,7 +157,7 @@ class Handlers:
         raw = await self.read_body(request, tenant=tenant)
         try:
             rr = await self.path.prepare(
-                raw, request.headers, endpoint, request_id, tenant, lazy=True
+                raw, request.headers, endpoint, request_id, tenant, lazy=True, limited=True
             )
             return await self.route_prepared(request, rr)
         finally:

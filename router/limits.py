@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from router.costs import output_limit
 from router.errors import APIError
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -209,8 +210,7 @@ def check_fits(body: dict[str, Any], max_model_len: Any, max_chars_per_token: in
     if type(max_model_len) is not int or max_model_len < 1 or max_chars_per_token < 1:
         return  # the replicas did not say (max_model_len comes from their /v1/models cards)
     prompt_tokens = -(-_message_text_chars(body) // max_chars_per_token)
-    out = body.get("max_completion_tokens", body.get("max_tokens"))
-    out = out if type(out) is int and out > 0 else 0
+    out = output_limit(body) or 0
     if prompt_tokens + out > max_model_len:
         raise APIError(
             400,

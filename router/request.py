@@ -76,7 +76,11 @@ class RoutedRequest:
     lora: str | None = None
     salt_policy: str = "none"
     app_label: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # per sequence (router/costs.py ``output_limit``)
+    # Prompt tokens of a completions batch's other prompts (all are tokenized; the request
+    # routes on its first): priced with the rest, never routed on.
+    batch_tokens: int = 0
+    sequences: int = 1  # sequences generated: ``n`` per prompt, every prompt of a batch
     # Prompt tokens not in token_ids yet: a lazy head's estimate of its untokenized rest
     # (router/lazy_tail.py); 0 once the prompt is fully tokenized.
     tail_tokens: int = 0
@@ -97,6 +101,11 @@ class RoutedRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.tail_tokens
+
+    @property
+    def all_prompt_tokens(self) -> int:
+        """Prompt tokens the replica computes: the routed prompt and a batch's others."""
+        return self.num_tokens + self.batch_tokens
 
     def forwarded_body(self) -> bytes:
         """The bytes sent to the replica."""

@@ -20,12 +20,13 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from router import blocks, lazy_tail
+from router import blocks, costs, lazy_tail
 from router.config import Config
 from router.errors import bad_request
 from router.fleet import Replica
 from router.flow.controller import Estimate, FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
+from router.flow.settings import FlowSettings
 from router.forward import Outcome
 from router.learning import Learner, Observer
 from router.limits import BodyLimits, check_fits
@@ -68,6 +69,9 @@ class _Admitted:
     salt: SaltDecision
     entry: ModelEntry  # the model's registry entry (router/models/)
     chat: dict[str, Any] | None = None  # the chat body rendered, for every API but completions
+    # Prompt tokens of a completions batch past its first prompt, once tokenized (filled
+    # by ``_tokenize``, which may run in a worker thread: a list it appends to).
+    batch: list[int] = dataclasses.field(default_factory=list)
 
 
 def _loop_encode_chars(renderer: Renderer) -> int:
@@ -162,13 +166,19 @@ class RequestPath:
         request_id: str,
         tenant: str | None = None,
         lazy: bool = False,
+        limited: bool = False,
     ) -> RoutedRequest:
         """Identify the tenant, parse, apply the salt policy, tokenize and hash. Needs no
         replica: ``prefix-router explain`` runs it offline. ``tenant``: already identified
         (from the headers, before the body was read). ``lazy``: a live request may come back
-        as a head whose tail is still being tokenized (router/lazy_tail.py)."""
+        as a head whose tail is still being tokenized (router/lazy_tail.py). ``limited``: the
+        tenant's rate limits are checked before its prompt is rendered (rpm first, then a
+        lower bound of its tokens: ``_precheck``); a live request is counted by ``admit``."""
         if tenant is None:
             tenant = self.tenancy.identify(headers)
+        flow = self.tenancy.policy_of(tenant).flow if limited else None
+        if flow is not None:
+            self.flow.precheck(tenant, flow)  # over its rpm: nothing parsed, nothing rendered
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         token_ids: Sequence[int] | Head
@@ -176,11 +186,20 @@ class RequestPath:
             # Parsing, normalising and rendering a big body is pure Python: in a thread the
             # interpreter hands the event loop the GIL every few ms, so /health and other
             # requests keep being answered meanwhile.
-            admitted, token_ids = await loop.run_in_executor(
-                self.executor, self._admit_and_tokenize, raw, endpoint, tenant
-            )
+            if flow is not None and flow.tpm is not None:  # its floor checked in between
+                admitted = await loop.run_in_executor(
+                    self.executor, self._admit, raw, endpoint, tenant
+                )
+                self._precheck(admitted, tenant, flow)
+                token_ids = await loop.run_in_executor(self.executor, self._tokenize, admitted)
+            else:
+                admitted, token_ids = await loop.run_in_executor(
+                    self.executor, self._admit_and_tokenize, raw, endpoint, tenant
+                )
         else:
             admitted = self._admit(raw, endpoint, tenant)
+            if flow is not None and flow.tpm is not None:
+                self._precheck(admitted, tenant, flow)
             renderer = admitted.entry.renderer
             try:
                 if renderer is None:  # no tokenizer for this model: the text prefix
@@ -208,7 +227,6 @@ class RequestPath:
             tail = Tail(begin, len(hashes), capped, inline)
         self.metrics.tokenize_latency.observe(time.perf_counter() - t0)
         limits = admitted.chat if admitted.chat is not None else body
-        max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
         app_label = headers.get(APP_HEADER) or None
         return RoutedRequest(
             request_id=request_id,
@@ -224,7 +242,9 @@ class RequestPath:
             lora=admitted.lora,
             salt_policy=salt.policy,
             app_label=app_label[:64] if app_label else None,
-            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            max_tokens=costs.output_limit(limits),
+            batch_tokens=sum(admitted.batch),
+            sequences=costs.sequences(limits, costs.prompt_count(body)),
             tail_tokens=head.estimated_tokens() if head is not None else 0,
             raw=forwarded_bytes(raw, admitted.client_body, body),
             tail=tail,
@@ -322,6 +342,22 @@ class RequestPath:
                 chat = body
         return _Admitted(endpoint, body, client_body, model, lora, salt, entry, chat)
 
+    def _precheck(self, admitted: _Admitted, tenant: str, flow: FlowSettings) -> None:
+        """A request its tenant's tpm cannot take now even at its fewest tokens is refused
+        before rendering: its prompt's text over the longest string a token stands for
+        (router/costs.py ``prompt_floor``), plus every sequence's output limit."""
+        renderer = admitted.entry.renderer
+        limits = admitted.chat if admitted.chat is not None else admitted.body
+        prompt = (
+            costs.prompt_floor(limits, renderer.max_chars_per_token())
+            if renderer is not None
+            else 0
+        )
+        output = self.flow.expected_output(
+            costs.output_limit(limits), costs.sequences(limits, costs.prompt_count(admitted.body))
+        )
+        self.flow.precheck(tenant, flow, prompt + output)
+
     def _tokenize_lazy(self, admitted: _Admitted, renderer: Renderer) -> Sequence[int] | Head:
         """``_tokenize``, or for a chat prompt with new text a head (router/lazy_tail.py)."""
         if admitted.chat is None:
@@ -345,6 +381,8 @@ class RequestPath:
     def _tokenize(self, admitted: _Admitted) -> Sequence[int]:
         renderer = admitted.entry.renderer
         if renderer is None:  # router/models/fallback.py: labelled text_prefix
+            if admitted.chat is None:
+                admitted.batch.append(fallback.batch_rest(admitted.body))
             return fallback.prompt_ids(admitted.chat, admitted.body)
         # The segment cache is scoped like the replicas' prefix caches: by the salt sent;
         # new text is encoded within a CPU budget, and stops once it cannot fit the context.
@@ -354,8 +392,11 @@ class RequestPath:
         with renderer.cache_scope(admitted.salt.salt), budget:
             if admitted.chat is not None:
                 return renderer.chat_ids(admitted.chat)
-            # Honours add_special_tokens and truncation; a batch routes on its first prompt.
-            return renderer.completion_request_ids(admitted.body)[0]
+            # Honours add_special_tokens and truncation; a batch routes on its first prompt
+            # and is priced by all of them.
+            prompts = renderer.completion_request_ids(admitted.body)
+            admitted.batch.append(sum(len(ids) for ids in prompts[1:]))
+            return prompts[0]
 
     def _max_prompt_tokens(self, admitted: _Admitted) -> int | None:
         """The model's context: a longer prompt is refused anyway. None when unknown, or
@@ -389,6 +430,8 @@ class RequestPath:
             settings=self.tenancy.policy_of(rr.tenant).flow,
             prompt_tokens=rr.num_tokens,
             max_tokens=rr.max_tokens,
+            batch_tokens=rr.batch_tokens,
+            sequences=rr.sequences,
             stream=rr.stream,
         )
 

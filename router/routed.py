@@ -82,8 +82,8 @@ class RoutedJob(Job):
         attempt.prefill_tokens = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
         self.ticket.decided(
             attempt.replica.url,
-            attempt.prefill_tokens,
-            self.request_path.flow.expected_output(rr.max_tokens),
+            attempt.prefill_tokens + rr.batch_tokens,  # a batch's others are prefilled too
+            self.request_path.flow.expected_output(rr.max_tokens, rr.sequences),
         )
         if (tail := rr.tail) is not None and tail.full is None:
 
@@ -109,9 +109,9 @@ class RoutedJob(Job):
 
     def headers_timeout(self, attempt: Attempt) -> float | None:
         rr = self.rr
-        tokens, n = rr.max_tokens, rr.body.get("n")
-        if tokens is not None and type(n) is int and n > 1:
-            tokens *= n  # completion_tokens counts every choice
+        tokens = rr.max_tokens
+        if tokens is not None:
+            tokens *= rr.sequences  # completion_tokens counts every choice of every prompt
         return self.fleet.first_byte_timeout(attempt.replica, rr.stream, tokens)
 
     def on_sent(self, attempt: Attempt) -> Callable[[], Awaitable[None]]:
@@ -129,7 +129,8 @@ class RoutedJob(Job):
         self.request_path.policy.placed(attempt.decision)
         self._sent_at = time.perf_counter()
         self._uncached = attempt.prefill_tokens
-        self.ticket.sent(attempt.prefill_tokens, self.rr.stream)  # when its prefill slot frees
+        # When its prefill slot frees: after every prompt of a batch.
+        self.ticket.sent(attempt.prefill_tokens + self.rr.batch_tokens, self.rr.stream)
 
     def first_byte(self, attempt: Attempt) -> None:
         assert attempt.decision is not None

@@ -90,7 +90,7 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         tenant = routes.identify(request)
         raw = await routes.read_body(request, tenant=tenant)
         rr = await routes.path.prepare(
-            raw, request.headers, "responses", request_id, tenant, lazy=True
+            raw, request.headers, "responses", request_id, tenant, lazy=True, limited=True
         )
         previous = rr.body.get("previous_response_id")
         if previous is not None:

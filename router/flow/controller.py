@@ -30,12 +30,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from router.errors import APIError
 from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
 from router.flow.metrics import FlowMetrics
 from router.flow.ratelimit import RateLimiter
 from router.flow.saturation import Capacity, ReplicaView, Thresholds, Waiting, capacity
 from router.flow.settings import FlowSettings
-from router.flow.ticket import Ticket, shed_error
+from router.flow.ticket import Ticket, shed_error, too_large
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.flow")
@@ -81,9 +82,16 @@ class FlowRequest:
     tenant: str
     session: str
     settings: FlowSettings
-    prompt_tokens: int
-    max_tokens: int | None
+    prompt_tokens: int  # of the prompt it routes on
+    max_tokens: int | None  # per sequence
     stream: bool
+    batch_tokens: int = 0  # a completions batch's other prompts
+    sequences: int = 1  # n per prompt, every prompt of a batch
+
+    def output_tokens(self, default: int) -> int:
+        """The output it may generate in all: every sequence's ``max_tokens``."""
+        per = self.max_tokens if self.max_tokens is not None else default
+        return per * self.sequences
 
 
 # The scheduler's choice for a request among the given replicas, while nobody holds its
@@ -171,8 +179,35 @@ class FlowController:
     def in_prefill(self, model: str) -> int:
         return sum(self.reserved.get(model, {}).values())
 
-    def expected_output(self, max_tokens: int | None) -> int:
-        return max_tokens if max_tokens is not None else self.config.default_output_tokens
+    def expected_output(self, max_tokens: int | None, sequences: int = 1) -> int:
+        """Output tokens a request may generate: ``max_tokens`` (or the default) per
+        sequence."""
+        per = max_tokens if max_tokens is not None else self.config.default_output_tokens
+        return per * sequences
+
+    def precheck(self, tenant: str, s: FlowSettings, min_tokens: int = 0) -> None:
+        """The 429 the rate limits would give now a request of ``tenant`` costing at least
+        ``min_tokens``, raised before its prompt is rendered; nothing is counted (``admit``
+        counts the exact cost)."""
+        if s.rpm is None and s.tpm is None:
+            return
+        if s.tpm is not None and min_tokens > s.tpm:
+            self.metrics.shed.labels(tenant, "rate_too_large").inc()
+            raise too_large(min_tokens, s.tpm)
+        wait, which, headers = self.limits.peek(tenant, s.rpm, s.tpm, min_tokens, self.clock())
+        if which is not None:
+            raise self._rate_refusal(tenant, which, wait, headers)
+
+    def _rate_refusal(
+        self, tenant: str, which: str, wait: float, headers: dict[str, str]
+    ) -> APIError:
+        self.metrics.shed.labels(tenant, f"rate_{which}").inc()
+        return shed_error(
+            f"rate limit reached for {which} per minute; retry after {math.ceil(wait)} s",
+            "rate_limit_exceeded",
+            wait,
+            headers,
+        )
 
     async def admit(
         self,
@@ -184,16 +219,14 @@ class FlowController:
         s = req.settings
         now = self.clock()
         ticket = Ticket(self, req.model, req.tenant, s.band, s.weight, req.session)
-        tokens = req.prompt_tokens + self.expected_output(req.max_tokens)
+        output = req.output_tokens(self.config.default_output_tokens)
+        tokens = req.prompt_tokens + req.batch_tokens + output
+        if s.tpm is not None and tokens > s.tpm:
+            self.metrics.shed.labels(req.tenant, "rate_too_large").inc()
+            raise too_large(tokens, s.tpm)
         wait, which, ticket.headers = self.limits.check(req.tenant, s.rpm, s.tpm, tokens, now)
         if which is not None:
-            self.metrics.shed.labels(req.tenant, f"rate_{which}").inc()
-            raise shed_error(
-                f"rate limit reached for {which} per minute; retry after {math.ceil(wait)} s",
-                "rate_limit_exceeded",
-                wait,
-                ticket.headers,
-            )
+            raise self._rate_refusal(req.tenant, which, wait, ticket.headers)
         if not self.config.enabled:
             ticket.controller = None  # rate limits only: nothing held, nothing charged
             return ticket
@@ -209,9 +242,8 @@ class FlowController:
         # where its prefix is cached decides which replica's free slot it waits for (it is
         # released at once when one is free).
         uncached, holders, place = await estimate()
-        ticket.cost = uncached + self.config.decode_token_cost * self.expected_output(
-            req.max_tokens
-        )
+        # A batch's other prompts are prefilled too (nobody routes on them: uncached).
+        ticket.cost = uncached + req.batch_tokens + self.config.decode_token_cost * output
         return await self._wait(req, ticket, cap, holders, place)
 
     async def _wait(

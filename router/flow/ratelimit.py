@@ -46,6 +46,18 @@ class RateLimiter:
         self, tenant: str, rpm: int | None, tpm: int | None, tokens: int, now: float
     ) -> tuple[float, str | None, dict[str, str]]:
         """(seconds to wait, which limit, headers). On 0 s the request is counted."""
+        return self._check(tenant, rpm, tpm, tokens, now, take=True)
+
+    def peek(
+        self, tenant: str, rpm: int | None, tpm: int | None, tokens: int, now: float
+    ) -> tuple[float, str | None, dict[str, str]]:
+        """``check`` without counting anything: whether a request of at least ``tokens``
+        could pass now (before its prompt is rendered; ``check`` counts it after)."""
+        return self._check(tenant, rpm, tpm, tokens, now, take=False)
+
+    def _check(
+        self, tenant: str, rpm: int | None, tpm: int | None, tokens: int, now: float, take: bool
+    ) -> tuple[float, str | None, dict[str, str]]:
         if rpm is None and tpm is None:
             return 0.0, None, {}
         key = (rpm, tpm)
@@ -63,7 +75,7 @@ class RateLimiter:
         if limits.tokens is not None:
             waits.append((limits.tokens.wait_s(tokens, now), "tokens"))
         wait, which = max(waits)
-        if wait <= 0:
+        if wait <= 0 and take:
             if limits.requests is not None:
                 limits.requests.take(1, now)
             if limits.tokens is not None:

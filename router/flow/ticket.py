@@ -92,3 +92,18 @@ def shed_error(
         code=code,
         headers={**headers, "Retry-After": str(max(1, math.ceil(retry_after)))},
     )
+
+
+def too_large(tokens: int, tpm: int) -> APIError:
+    """A request over its tenant's whole minute of tokens: it could never be admitted, so
+    it is refused as such, without a Retry-After (waiting would not help). A 429 with
+    ``rate_limit_exceeded``, as OpenAI answers a request larger than an organisation's
+    TPM, so clients read it as they read that."""
+    return APIError(
+        429,
+        f"Request too large: it needs up to {tokens} tokens (prompt + max_tokens x n) and "
+        f"this tenant's limit is {tpm} tokens per minute, so it can never be admitted; "
+        "reduce the prompt, max_tokens or n",
+        code="rate_limit_exceeded",
+        param="max_tokens",
+    )

@@ -49,6 +49,16 @@ def chat_text(chat: Mapping[str, Any]) -> str:
     return _SEP.join(parts)
 
 
+def batch_rest(body: Mapping[str, Any]) -> int:
+    """Pseudo tokens of a completions batch's prompts after its first (priced, not routed)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], (str, list)):
+        return 0
+    return sum(
+        len(p) if isinstance(p, list) else -(-len(_text(p)) // CHARS_PER_TOKEN) for p in prompt[1:]
+    )
+
+
 def pseudo_ids(text: str) -> list[int]:
     """One id per ``CHARS_PER_TOKEN`` characters (a uint32: the block hasher packs them so)."""
     digest = xxhash.xxh32_intdigest
