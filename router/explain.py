@@ -161,7 +161,7 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
     body["schedule"] = gateway.policy.describe()  # the plugins and weights behind the terms
     # Flow control: whether a request like this would wait now, and why.
     body["flow"] = gateway.flow.explain(
-        rr.model, rr.tenant, gateway.tenancy.policy_of(rr.tenant).flow
+        gateway.path.flow_model(rr), rr.tenant, gateway.tenancy.policy_of(rr.tenant).flow
     )
     if gateway.kv_events is not None:  # precise mode: is each candidate's index event-fed?
         for candidate in body.get("candidates", []):

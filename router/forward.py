@@ -83,11 +83,13 @@ RETRYABLE_STATUS = frozenset({502, 503})
 
 class UpstreamUnavailable(Exception):
     """The replica could not take the request (connect error, 502/503, timeout before any
-    byte): safe to retry on another replica."""
+    byte): safe to retry on another replica. ``counts``: the replica's failure is recorded
+    (False when another request already recorded this one, e.g. a shared adapter load)."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, counts: bool = True) -> None:
         super().__init__(why)
         self.why = why
+        self.counts = counts
 
 
 @dataclass(slots=True)

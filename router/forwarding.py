@@ -198,8 +198,9 @@ class Forwarder:
                 why = e.why
                 tried.add(attempt.replica.url)
                 await job.unavailable(attempt, e.why)
-                await fleet.record_failure(attempt.replica, e.why)
-                self._after_failure()
+                if e.counts:
+                    await fleet.record_failure(attempt.replica, e.why)
+                    self._after_failure()
                 if len(tried) > self.max_retries:
                     raise APIError(
                         502,

@@ -420,11 +420,18 @@ class RequestPath:
         fleet = self.wiring.opened
         return fleet.serving(model) if fleet is not None else []
 
+    @staticmethod
+    def flow_model(rr: RoutedRequest) -> str:
+        """The model flow control keys ``rr`` by: its base model, so a LoRA adapter's requests
+        share the base's queue, slots, bounds and cost (an adapter name is not a way round
+        them; the adapter runs on the base's replicas and takes their prefill)."""
+        return rr.model_entry.name if rr.model_entry is not None else rr.model
+
     def flow_request(self, rr: RoutedRequest, headers: Mapping[str, str]) -> FlowRequest:
         """What flow control reads of a prepared request: its tenant's weight and band from
         the tenancy table, its session where the client names one."""
         return FlowRequest(
-            model=rr.model,
+            model=self.flow_model(rr),
             tenant=rr.tenant,
             session=session_of(rr.endpoint, rr.body, headers, self.response_chains),
             settings=self.tenancy.policy_of(rr.tenant).flow,
@@ -445,7 +452,7 @@ class RequestPath:
         much: the scheduler's prefix match (the index lookup a decision makes), without a
         decision. Nobody holding it: also the policy's choice among given replicas
         (``place_unheld``), for flow control's slot."""
-        replicas = self._flow_replicas(rr.model)
+        replicas = self._flow_replicas(self.flow_model(rr))
         if not replicas or not self.policy.uses_index:
             return rr.num_tokens, (), None
         matches = await self.wiring.index.match(rr.block_hashes, [r.url for r in replicas])
@@ -464,7 +471,7 @@ class RequestPath:
         recent traffic, ring order), read now. Flow control reserves the request's slot there
         and ``decide(..., slot=)`` sends it there: one rule for both."""
         wanted = set(urls)
-        replicas = [r for r in self._flow_replicas(rr.model) if r.url in wanted]
+        replicas = [r for r in self._flow_replicas(self.flow_model(rr)) if r.url in wanted]
         if not replicas:
             return urls[0]
         return self.policy.choose(rr, [r.candidate(0) for r in replicas]).replica

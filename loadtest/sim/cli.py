@@ -136,6 +136,20 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
     )
     p.add_argument(
+        "--lora-load-s",
+        type=float,
+        default=d["lora_load_s"].default,
+        help="seconds a runtime LoRA load takes",
+    )
+    p.add_argument(
+        "--lora-missing-path",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="a runtime LoRA load from PATH answers vLLM's 404 (no adapter found there)",
+    )
+    p.add_argument(
         "--enable-prompt-tokens-details",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -200,6 +214,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len,
         lora_adapters=list(args.lora),
         allow_runtime_lora=args.allow_runtime_lora,
+        lora_load_s=args.lora_load_s,
+        lora_missing_paths=list(args.lora_missing_path),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         always_report_cached_tokens=args.always_report_cached_tokens,
         enable_force_include_usage=args.enable_force_include_usage,

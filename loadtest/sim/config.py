@@ -31,6 +31,9 @@ class SimConfig:
     lora_adapters: list[str] = field(default_factory=list)  # extra cards, parent = model
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
     allow_runtime_lora: bool = False
+    lora_load_s: float = 0.0  # how long a runtime load takes (vLLM reads the weights first)
+    # Paths where no adapter is found: loading from one answers vLLM's 404 (NotFoundError).
+    lora_missing_paths: list[str] = field(default_factory=list)
     enable_prompt_tokens_details: bool = True
     # vLLM attaches prompt_tokens_details only when cached_tokens > 0 (null / absent on a
     # miss); True reports {"cached_tokens": 0} on a miss too.

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 
@@ -109,13 +110,36 @@ class Endpoints:
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's runtime LoRA loading (with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter
-        is served from now on, under its own block chains."""
+        is served from now on, under its own block chains. Answered as vLLM 0.34 answers
+        (vllm/entrypoints/openai/models/serving.py, load_lora_adapter): 400 InvalidUserInput
+        for a missing name or path or an adapter already loaded, 404 NotFoundError when
+        nothing is found at the path; every call counted (``adapter_load_calls``)."""
+        self.r.stats["adapter_load_calls"] = self.r.stats.get("adapter_load_calls", 0) + 1
         body, _ = await read_json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+            raise APIError(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", type_="InvalidUserInput"
+            )
         if name in self.r.config.lora_adapters or name == self.r.config.model:
-            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            raise APIError(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                type_="InvalidUserInput",
+            )
+        if self.r.config.lora_load_s:
+            await asyncio.sleep(self.r.config.lora_load_s)  # reading the weights
+        if path in self.r.config.lora_missing_paths:
+            raise APIError(
+                404,
+                f"Loading lora {name} failed: No adapter found for {path}",
+                type_="NotFoundError",
+            )
+        if name in self.r.config.lora_adapters:  # a concurrent call loaded it meanwhile
+            raise APIError(
+                400, f"The lora adapter '{name}' has already been loaded.", type_="InvalidUserInput"
+            )
         self.r.add_adapter(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -153,6 +153,10 @@ def problems(config: Config) -> list[str]:
         problems.append(
             "flow_decode_token_cost, flow_history_tokens and flow_burst_tokens must be >= 0"
         )
+    if config.registry.lora_refusal_ttl_s < 0:
+        problems.append(
+            f"lora_refusal_ttl_s must be >= 0, got {config.registry.lora_refusal_ttl_s}"
+        )
     try:
         check_config(config.routing)
     except ScheduleError as e:

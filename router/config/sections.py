@@ -353,6 +353,11 @@ class Registry:
         "picks when no replica has it (vLLM's /v1/load_lora_adapter; the replicas need "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     )
+    lora_refusal_ttl_s: float = _opt(
+        60.0,
+        "a replica that refused to load a LoRA adapter (a 4xx: bad path, runtime updates off) "
+        "is not asked again for that adapter for this long; its requests get a 404",
+    )
     tokenizer_download: bool = _opt(
         False,
         "at start-up, fetch the tokenizer files of a served model whose tokenizer is not on "

@@ -23,6 +23,7 @@ from router.fleet import Fleet, Replica
 from router.forward import UpstreamUnavailable
 from router.metrics import Metrics
 from router.models import download
+from router.models.adapters import AdapterLoads, LoadResult
 from router.models.registry import ModelEntry, ModelRegistry, Route
 from router.prompt import Renderer
 from router.request import RoutedRequest
@@ -54,6 +55,7 @@ class ModelUpkeep:
         self._fleet = fleet
         self._session = session
         self.ready = False  # start-up loaded the registry's tokenizers (Gateway._start)
+        self.adapter_loads = AdapterLoads(config.registry.lora_refusal_ttl_s)
         if config.registry.tokenizer_download:
             registry.fetch = download.Downloader()
 
@@ -133,7 +135,11 @@ class ModelUpkeep:
             replicas = [r for r in replicas if r.url not in exclude]
         if not replicas and lora is not None and self.may_load(lora):
             base = entry.name if entry is not None else ""
-            replicas = [r for r in fleet.serving(base) if r.url not in exclude]
+            loads = self.adapter_loads
+            candidates = [r for r in fleet.serving(base) if r.url not in exclude]
+            replicas = [r for r in candidates if loads.refused(r.url, lora) is None]
+            if candidates and not replicas:  # every one refused it lately: not a replica fault
+                raise self._refused(lora, loads.refused(candidates[0].url, lora) or 400)
         if entry is not None and entry.replicas:
             routed = set(entry.replicas)
             replicas = [r for r in replicas if r.url in routed] or replicas
@@ -201,37 +207,72 @@ class ModelUpkeep:
 
     async def ensure_adapter(self, rr: RoutedRequest, replica: Replica) -> None:
         """Load the request's LoRA adapter on ``replica`` first, when the decision chose one
-        without it (vLLM's /v1/load_lora_adapter). A failure is the replica's: retried
-        elsewhere as any failure before the first byte."""
+        without it (vLLM's /v1/load_lora_adapter): one load per (replica, adapter) at a time,
+        the requests arriving meanwhile wait for it. A refusal (a 4xx: a bad path, runtime
+        updates off) is remembered (``AdapterLoads``) and answered with a 404 naming the
+        adapter, never counted against the replica; a 5xx or a transport failure is the
+        replica's, retried elsewhere as any failure before the first byte (counted once, by
+        the request that made the call)."""
         load = rr.adapter_load
         if not load or load["replica"] != replica.url or replica.has_model(load["adapter"]):
             return
+        adapter = load["adapter"]
+        model = rr.model_entry.name if rr.model_entry is not None else ""
+        result, made = await self.adapter_loads.load(
+            replica.url, adapter, lambda: self._load_adapter(replica, model, adapter, load["path"])
+        )
+        if result.ok:
+            return
+        if result.refused:
+            raise self._refused(adapter, result.status)
+        raise UpstreamUnavailable(f"load_lora_adapter: {result.detail[:80]}", counts=made)
+
+    async def _load_adapter(
+        self, replica: Replica, model: str, adapter: str, path: str
+    ) -> LoadResult:
         session, fleet = self._session(), self._fleet()
         assert session is not None and fleet is not None
-        model = rr.model_entry.name if rr.model_entry is not None else ""
-        payload = {"lora_name": load["adapter"], "lora_path": load["path"]}
         try:
             async with session.post(
                 replica.url + "/v1/load_lora_adapter",
-                json=payload,
+                json={"lora_name": adapter, "lora_path": path},
                 headers=dict(fleet.headers),
                 timeout=aiohttp.ClientTimeout(
                     total=self.config.forwarding.first_byte_timeout_floor_s
                 ),
             ) as resp:
                 text = await resp.text()
+                # vLLM: 400 "has already been loaded" (another gateway loaded it first)
                 ok = resp.status == 200 or "already been loaded" in text
+                result = LoadResult(ok, resp.status, text)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            ok, text = False, f"{type(e).__name__}: {e}"
-        self.metrics.adapter_loads.labels(model, load["adapter"], "ok" if ok else "failed").inc()
-        if not ok:
+            result = LoadResult(False, 0, f"{type(e).__name__}: {e}")
+        outcome = "ok" if result.ok else "refused" if result.refused else "failed"
+        self.metrics.adapter_loads.labels(model, adapter, outcome).inc()
+        if result.ok:
+            log.info("loaded LoRA adapter %s on %s", adapter, replica.url)
+            replica.models[adapter] = model
+            self.refresh()
+        else:
             log.warning(
-                "loading LoRA adapter %s on %s failed: %s", load["adapter"], replica.url, text[:200]
+                "loading LoRA adapter %s on %s %s (HTTP %s): %s",
+                adapter,
+                replica.url,
+                outcome,
+                result.status or "-",
+                result.detail[:200],
             )
-            raise UpstreamUnavailable(f"load_lora_adapter: {text[:80]}")
-        log.info("loaded LoRA adapter %s on %s", load["adapter"], replica.url)
-        replica.models[load["adapter"]] = model
-        self.refresh()
+        return result
+
+    def _refused(self, adapter: str, status: int) -> APIError:
+        # The replica's text is logged, not sent: it names replica-side paths.
+        return APIError(
+            404,
+            f"The LoRA adapter `{clip(adapter)}` cannot be loaded: the replicas refused it "
+            f"(HTTP {status}); retry later",
+            param="model",
+            code="adapter_unavailable",
+        )
 
     # -- learning -------------------------------------------------------------------------------
     def learn(self, entry: ModelEntry, predicted: int, reported: int | None) -> None:
