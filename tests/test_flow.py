@@ -445,3 +445,29 @@ async def remote_usage(http: aiohttp.ClientSession, url: str, tenant: str) -> fl
         ):
             return float(line.split()[-1])
     return 0.0
+
+
+async def test_retry_after_counts_the_callers_own_queue_not_other_tenants(fleet, gateway) -> None:
+    """Tenant a is at its bound (3 waiting); its next request gets a 429 with Retry-After
+    while tenant b queues 0, 8 and 24 requests. Nothing is released meanwhile (the one slot
+    is held), so only b's backlog changes: a's Retry-After stays the same. Before, it was
+    computed from every tenant's backlog in the band (3, 11, 27 s): a side channel on b."""
+    (replica,) = await fleet(1)
+    gw = await gateway(
+        [replica.url], flow_control=True, tenant_header="X-Tenant", tenants={"a": {"max_queue": 3}}
+    )
+    async with aiohttp.ClientSession() as http:
+        setup = Setup(replica, gw, http)
+        await setup.hold()
+        tasks = [await setup.enqueue(f"a{i}", "a", i) for i in range(3)]
+        seen = []
+        for total in (0, 8, 24):
+            while setup.queued < 3 + total:
+                n = setup.queued - 3
+                tasks.append(await setup.enqueue(f"b{n}", "b", n))
+            status, headers, err = await setup.send("a-over", "a", 9)
+            assert status == 429 and err["error"]["code"] == "queue_full"
+            seen.append(headers["Retry-After"])
+        await setup.release()
+        assert {r[0] for r in await finish(tasks)} == {200}
+    assert seen[0] == seen[1] == seen[2], seen

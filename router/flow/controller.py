@@ -262,7 +262,7 @@ class FlowController:
             raise shed_error(
                 f"too many requests of this tenant are waiting ({bound}); retry later",
                 "queue_full",
-                self._retry_after(q, s.band),
+                self._retry_after(q, s.band, req.tenant),
                 ticket.headers,
             )
         if q.size >= self.config.max_queue and not self._make_room(q, s.band):
@@ -270,7 +270,7 @@ class FlowController:
             raise shed_error(
                 "the gateway's queue is full; retry later",
                 "queue_full",
-                self._retry_after(q, s.band),
+                self._retry_after(q, s.band, req.tenant),
                 ticket.headers,
             )
         loop = asyncio.get_running_loop()
@@ -309,7 +309,7 @@ class FlowController:
                 f"the request waited {timeout:g} s in the gateway's queue (the fleet is "
                 "saturated); retry later",
                 "queue_timeout",
-                self._retry_after(q, s.band),
+                self._retry_after(q, s.band, req.tenant),
                 ticket.headers,
             )
         waiter.future.result()  # raises the 429 of a request shed by a higher band
@@ -329,7 +329,7 @@ class FlowController:
                     shed_error(
                         f"shed for {band} traffic: the gateway's queue is full; retry later",
                         "queue_full",
-                        self._retry_after(q, lower),
+                        self._retry_after(q, lower, w.ticket.tenant),
                         w.ticket.headers,
                     )
                 )
@@ -429,8 +429,11 @@ class FlowController:
     def _shed_count(self, tenant: str, reason: str) -> None:
         self.metrics.shed.labels(tenant, reason).inc()
 
-    def _retry_after(self, q: FairQueue[_Waiter], band: str) -> float:
-        ahead = sum(q.depth(b) for b in BANDS if BAND_RANK[b] <= BAND_RANK[band])
+    def _retry_after(self, q: FairQueue[_Waiter], band: str, tenant: str) -> float:
+        """From the caller's own place only: its tenant's requests waiting ahead of it, at
+        the rate requests leave the queue. Other tenants' backlog is not counted: a
+        Retry-After that moved with it told one tenant how busy the others were."""
+        ahead = q.tenant_depth(band, tenant)
         return min(60.0, max(1.0, ahead / max(0.1, self.dispatch_rate)))
 
     def _gauge(self, q: FairQueue[_Waiter]) -> None:
