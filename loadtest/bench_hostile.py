@@ -1,6 +1,7 @@
 """The gateway's liveness under hostile traffic: the worst and median ``GET /health`` latency
 while each hostile mix runs, next to a benign baseline run in the same run, with the gateway
-(auth on, two tenants, precise mode) in front of simulated replicas on loopback.
+(auth on, two tenants, flow control, precise mode) in front of simulated replicas on loopback
+(each serving five LoRA adapters).
 
     python -m loadtest.bench_hostile [--seconds 5] [--mixes baseline,gzip_bombs,...]
 
@@ -295,6 +296,32 @@ async def valid_large_bodies(ctx: Ctx) -> None:
     await _repeat(ctx, 1, send)
 
 
+ADAPTERS = [f"bench-lora-{i}" for i in range(5)]  # LoRA adapters every replica serves
+
+
+async def adapter_flood(ctx: Ctx) -> None:
+    """Tenant A, 12 senders: chat requests spread over the five LoRA adapters' names, each
+    a new ~1,500-token prompt (all prefill), flooding the fleet's prefill slots. Flow control
+    keys them by the base model: they queue with B's requests, which go in their fair turn."""
+    headers = {**bearer("a"), "Content-Type": "application/json"}
+    turn = 0
+
+    async def send(s: aiohttp.ClientSession) -> str:
+        nonlocal turn
+        turn += 1
+        words = " ".join(f"w{turn}x{i}" for i in range(500))
+        body = {
+            "model": ADAPTERS[turn % len(ADAPTERS)],
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": words}],
+        }
+        return await _post_status(
+            s, ctx.url + "/v1/chat/completions", json.dumps(body).encode(), headers
+        )
+
+    await _repeat(ctx, 12, send)
+
+
 # -- a hostile KV event publisher (the gateway runs in precise mode: one replica's events
 # come from it) ---------------------------------------------------------------------------
 KV_MESSAGES = 20_000  # junk messages per live or replay attack
@@ -399,6 +426,7 @@ MIXES: list[tuple[str, Mix]] = [
     ("kv_batch_40mb", kv_batch_40mb),
     ("kv_batch_15mb", kv_batch_15mb),
     ("kv_65k_events", kv_65k_events),
+    ("adapter_flood", adapter_flood),
 ]
 
 
@@ -547,6 +575,7 @@ def _gateway_flags(tmp: Path, hostile: str, event_ep: str, replay_ep: str) -> li
         str(keys),
         "--max-connections",
         str(MAX_CONNECTIONS),
+        "--flow-control",  # tenants share saturated replicas fairly (adapter_flood)
     ]
 
 
@@ -562,7 +591,7 @@ async def amain(args: argparse.Namespace) -> list[dict]:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp, running() as procs:
             event_ep, replay_ep = await asyncio.to_thread(ports.get, True, 60)
-            sim = start_replicas(2)
+            sim = start_replicas(2, "--lora", *ADAPTERS)
             procs.append(sim)
             gw = start_gateway(
                 sim.urls,
@@ -585,8 +614,8 @@ async def amain(args: argparse.Namespace) -> list[dict]:
         if publisher.is_alive():
             publisher.kill()
     print(
-        f"Gateway with auth on (tenants a, b), 2 simulated replicas, max_connections "
-        f"{MAX_CONNECTIONS}, precise mode (one replica's KV events from a hostile publisher); "
+        f"Gateway with auth on (tenants a, b), flow control on, 2 simulated replicas "
+        f"(5 LoRA adapters each), max_connections {MAX_CONNECTIONS}, precise mode (one replica's KV events from a hostile publisher); "
         f"each mix {args.seconds:g} s; hostile senders from {HOSTILE_PEER}.\n"
     )
     print(table(rows))
