@@ -84,12 +84,15 @@ RETRYABLE_STATUS = frozenset({502, 503})
 class UpstreamUnavailable(Exception):
     """The replica could not take the request (connect error, 502/503, timeout before any
     byte): safe to retry on another replica. ``counts``: the replica's failure is recorded
-    (False when another request already recorded this one, e.g. a shared adapter load)."""
+    (False when another request already recorded this one, e.g. a shared adapter load).
+    ``sent``: the request may have reached the replica (not a connect failure), so a
+    re-send may have it computed twice."""
 
-    def __init__(self, why: str, counts: bool = True) -> None:
+    def __init__(self, why: str, counts: bool = True, sent: bool | None = None) -> None:
         super().__init__(why)
         self.why = why
         self.counts = counts
+        self.sent = not why.startswith("connect") if sent is None else sent
 
 
 @dataclass(slots=True)

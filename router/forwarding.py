@@ -6,7 +6,10 @@ another replica before the first byte, release on every path out.
         account                         in flight, pending (prefill) until the first byte
         job.before_send -> proxy        the request goes out
         job.first_byte                  the replica's first bytes (its prefill is done)
-        failed before the first byte:   the replica's failure recorded, job.unavailable, next
+        failed before the first byte:   the replica's failure recorded, job.unavailable, next,
+                                        unless it may have reached the replica and it timed
+                                        out while the fleet is saturated, or retries are at
+                                        their budget (a 503: shed, not doubled)
         every path out:                 accounting released, job.done(attempt, ending, outcome)
 
 The routed endpoints (router/routed.py), the forwarded ones (router/api/forwarded.py: POSTs
@@ -30,6 +33,7 @@ from router.errors import APIError
 from router.fleet import Fleet, Replica
 from router.forward import Outcome, StreamErrorShape, UpstreamUnavailable, proxy
 from router.metrics import Metrics
+from router.retry_budget import RetryBudget
 from router.schedule import Decision
 from router.upstream import UpstreamPool
 
@@ -44,6 +48,16 @@ def load_order(replica: Replica) -> tuple[int, str]:
 def least_loaded(replicas: Iterable[Replica]) -> Replica | None:
     """The first replica in ``load_order``; None for none."""
     return min(replicas, key=load_order, default=None)
+
+
+def queued_everywhere(replicas: Iterable[Replica]) -> bool:
+    """Some replica, and each of them has requests waiting in its own queue."""
+    found = False
+    for r in replicas:
+        if not r.stats.waiting:
+            return False
+        found = True
+    return found
 
 
 class Ending(enum.Enum):
@@ -103,6 +117,11 @@ class Job:
     def on_sent(self, attempt: Attempt) -> Callable[[], Awaitable[None]] | None:
         """Runs once while the replica works on the request (``UpstreamPool.post``)."""
         return None
+
+    def saturated(self, fleet: Fleet, tried: frozenset[str]) -> bool:
+        """Every replica the request could go to next has a queue of its own (vLLM's
+        ``num_requests_waiting``, as last scraped): a re-sent request would wait again."""
+        return queued_everywhere(r for r in fleet.healthy() if r.url not in tried)
 
     async def before_proxy(self, attempt: Attempt) -> None:
         """Runs before the attempt is accounted for and sent (a LoRA adapter loaded on the
@@ -171,51 +190,96 @@ class Forwarder:
         max_retries: int,
         fleet: Callable[[], Fleet],
         after_failure: Callable[[], None] = lambda: None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.max_retries = max_retries
+        self.budget = budget if budget is not None else RetryBudget(20.0, 3)
         self._fleet = fleet  # the fleet exists once the gateway has started
         self._after_failure = after_failure  # the ring follows the replicas' health
 
     async def forward(self, request: web.Request, request_id: str, job: Job) -> web.StreamResponse:
         """Relay ``job`` to a replica and its answer to ``request``'s client."""
-        fleet = self._fleet()
-        tried: set[str] = set()
-        why = ""
-        while True:
-            attempt = await job.pick(fleet, frozenset(tried))
-            if attempt is None:
-                if tried:
-                    raise APIError(
-                        502, f"upstream replica unavailable ({why})", code="upstream_unavailable"
+        budget = self.budget
+        budget.active += 1
+        retrying = False  # holds one of the budget's retries until the request ends
+        try:
+            fleet = self._fleet()
+            tried: set[str] = set()
+            why = ""
+            while True:
+                attempt = await job.pick(fleet, frozenset(tried))
+                if attempt is None:
+                    if tried:
+                        raise APIError(
+                            502,
+                            f"upstream replica unavailable ({why})",
+                            code="upstream_unavailable",
+                        )
+                    raise APIError(503, "no healthy replica is available", code="no_replica")
+                try:
+                    await job.before_proxy(attempt)
+                    resp, outcome = await self._send(request, request_id, job, attempt)
+                except UpstreamUnavailable as e:
+                    why = e.why
+                    tried.add(attempt.replica.url)
+                    await job.unavailable(attempt, e.why)
+                    if e.counts:
+                        await fleet.record_failure(attempt.replica, e.why)
+                        self._after_failure()
+                    if len(tried) > self.max_retries:
+                        raise APIError(
+                            502,
+                            f"upstream replica unavailable ({e.why}) after {len(tried)} attempts",
+                            code="upstream_unavailable",
+                        ) from e
+                    if e.sent:  # a request that never reached a replica is not doubled
+                        self._may_resend(job, fleet, frozenset(tried), e, retrying)
+                        retrying = True
+                    log.info(
+                        "request %s: %s failed before the first byte (%s); retrying",
+                        request_id,
+                        attempt.replica.url,
+                        e.why,
                     )
-                raise APIError(503, "no healthy replica is available", code="no_replica")
-            try:
-                await job.before_proxy(attempt)
-                resp, outcome = await self._send(request, request_id, job, attempt)
-            except UpstreamUnavailable as e:
-                why = e.why
-                tried.add(attempt.replica.url)
-                await job.unavailable(attempt, e.why)
-                if e.counts:
-                    await fleet.record_failure(attempt.replica, e.why)
-                    self._after_failure()
-                if len(tried) > self.max_retries:
-                    raise APIError(
-                        502,
-                        f"upstream replica unavailable ({e.why}) after {len(tried)} attempts",
-                        code="upstream_unavailable",
-                    ) from e
-                log.info(
-                    "request %s: %s failed before the first byte (%s); retrying",
-                    request_id,
-                    attempt.replica.url,
-                    e.why,
-                )
-                continue
-            await job.answered(attempt, outcome)
-            return resp
+                    continue
+                await job.answered(attempt, outcome)
+                return resp
+        finally:
+            budget.active -= 1
+            if retrying:
+                budget.give_back()
+
+    def _may_resend(
+        self,
+        job: Job,
+        fleet: Fleet,
+        tried: frozenset[str],
+        e: UpstreamUnavailable,
+        retrying: bool,
+    ) -> None:
+        """Raise the 503 that sheds a request the replica may have received, rather than
+        send it again: after a timeout while every replica it could go to is saturated (it
+        would queue again, behind its own first copy if that replica does not abort it), or
+        when retries are at their budget (``RetryBudget``; a request counts once)."""
+        if e.why == "timeout" and job.saturated(fleet, tried):
+            self.metrics.retries_shed.labels("saturated").inc()
+            raise APIError(
+                503,
+                "the replica did not answer in time and every replica that could take the "
+                "request is saturated: it was not sent again (it would be computed twice); "
+                "retry later",
+                code="fleet_saturated",
+            ) from e
+        if not retrying and not self.budget.take():
+            self.metrics.retries_shed.labels("budget").inc()
+            raise APIError(
+                503,
+                f"upstream replica unavailable ({e.why}); not retried: {self.budget.retrying} "
+                "requests are being retried already (the retry budget); retry later",
+                code="upstream_unavailable",
+            ) from e
 
     async def _send(
         self, request: web.Request, request_id: str, job: Job, attempt: Attempt

@@ -47,6 +47,7 @@ from router.request_path import (
     Observer,
     RequestPath,
 )
+from router.retry_budget import RetryBudget
 from router.schedule import Pipeline, Rings
 from router.shared_state import FleetSync
 from router.tasks import Background
@@ -105,6 +106,10 @@ class Gateway:
             config.forwarding.max_retries,
             lambda: self.wiring.fleet,
             self.wiring.sync_ring,
+            RetryBudget(
+                config.forwarding.retry_budget_percent,
+                config.forwarding.retry_budget_min_concurrency,
+            ),
         )
         self.forward_allow = header_allow_list(
             config.auth.enabled, config.forwarding.forward_headers

@@ -351,6 +351,14 @@ class Metrics:
             ["replica", "why"],
             registry=r,
         )
+        self.retries_shed = LoopCounter(
+            "prefix_router_retries_shed",
+            "Requests that failed before the first byte and were not re-sent: every replica "
+            "saturated after a timeout (reason=saturated), or retries at their budget "
+            "(reason=budget)",
+            ["reason"],
+            registry=r,
+        )
         self.replica_healthy = Gauge(
             "prefix_router_replica_healthy",
             "1 if the replica is in rotation",

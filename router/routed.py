@@ -14,7 +14,7 @@ from router.config import Config
 from router.fleet import Fleet
 from router.flow.ticket import Ticket
 from router.forward import STREAM_ERROR_SHAPES, Outcome
-from router.forwarding import Attempt, Ending, Job
+from router.forwarding import Attempt, Ending, Job, queued_everywhere
 from router.metrics import Metrics
 from router.request import Endpoint, RoutedRequest
 from router.request_path import RequestPath
@@ -94,6 +94,15 @@ class RoutedJob(Job):
 
             tail.on_full.append(exact_count)
         return attempt
+
+    def saturated(self, fleet: Fleet, tried: frozenset[str]) -> bool:
+        """Flow control holds requests of its (base) model or has no free prefill slot, or
+        every other replica serving it has a queue of its own."""
+        path = self.request_path
+        model = path.flow_model(self.rr)
+        if path.flow.saturated(model):
+            return True
+        return queued_everywhere(r for r in fleet.serving(model) if r.url not in tried)
 
     def extra_headers(self, attempt: Attempt) -> dict[str, str]:
         ticket = self.ticket

@@ -153,6 +153,11 @@ def problems(config: Config) -> list[str]:
         problems.append(
             "flow_decode_token_cost, flow_history_tokens and flow_burst_tokens must be >= 0"
         )
+    fw = config.forwarding
+    if not 0 <= fw.retry_budget_percent <= 100 or fw.retry_budget_min_concurrency < 0:
+        problems.append(
+            "retry_budget_percent must be in [0, 100] and retry_budget_min_concurrency >= 0"
+        )
     if config.registry.lora_refusal_ttl_s < 0:
         problems.append(
             f"lora_refusal_ttl_s must be >= 0, got {config.registry.lora_refusal_ttl_s}"

@@ -165,6 +165,14 @@ class Forwarding:
     )
     idle_timeout_s: float = _opt(600.0, "upstream max silence between streamed chunks")
     max_retries: int = _opt(2, "retries on another replica when one fails before the first byte")
+    retry_budget_percent: float = _opt(
+        20.0,
+        "at most this percentage of the requests in flight may be on a retry at once (Envoy's "
+        "retry budget); a request past it that may have reached its replica gets a 503",
+    )
+    retry_budget_min_concurrency: int = _opt(
+        3, "retries allowed at once however few requests are in flight"
+    )
     forward_headers: list[str] = _opt(
         [],
         "client headers forwarded to replicas besides the built-in allow-list (Accept, "

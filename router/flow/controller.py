@@ -176,6 +176,17 @@ class FlowController:
             replicas, self.reserved.get(model, {}), self.config.thresholds, self.tokens_per_request
         )
 
+    def saturated(self, model: str) -> bool:
+        """Requests of ``model`` wait in the gateway, or no prefill slot is free: a request
+        sent again now would take a slot someone waits for (the retry budget's signal)."""
+        if not self.config.enabled:
+            return False
+        q = self.queues.get(model)
+        if q is not None and q.size:
+            return True
+        cap = self.capacity(model)
+        return cap is not None and not cap.free
+
     def in_prefill(self, model: str) -> int:
         return sum(self.reserved.get(model, {}).values())
 

@@ -225,7 +225,9 @@ class ModelUpkeep:
             return
         if result.refused:
             raise self._refused(adapter, result.status)
-        raise UpstreamUnavailable(f"load_lora_adapter: {result.detail[:80]}", counts=made)
+        raise UpstreamUnavailable(
+            f"load_lora_adapter: {result.detail[:80]}", counts=made, sent=False
+        )
 
     async def _load_adapter(
         self, replica: Replica, model: str, adapter: str, path: str
