@@ -96,7 +96,7 @@ class Apis:
         return seq
 
     def _cached(self, seq: Seq) -> int:
-        return seq.num_cached_tokens if self.r.config.enable_prompt_tokens_details else 0
+        return seq.usage_cached if self.r.config.enable_prompt_tokens_details else 0
 
     # -- Anthropic Messages ---------------------------------------------------------------
     async def messages(self, request: web.Request) -> web.StreamResponse:

@@ -193,6 +193,46 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         help="event batches kept for replay",
     )
     p.add_argument(
+        "--kv-connector",
+        default=None,
+        choices=("NixlConnector",),
+        help="serve disaggregated requests as vLLM's --kv-transfer-config with this connector "
+        "(pull mode, kv_both): a prefill leg (kv_transfer_params.do_remote_decode) pins its "
+        "blocks for the decode leg, a decode leg (do_remote_prefill) pulls the blocks it lacks",
+    )
+    p.add_argument(
+        "--nixl-side-channel-host",
+        default=d["nixl_side_channel_host"].default,
+        help="the host prefill legs name in remote_host (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST, "
+        "default localhost: set it when prefill and decode replicas are on different hosts)",
+    )
+    p.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=d["kv_lease_s"].default,
+        help="how long a prefill leg's blocks stay pinned for its decode leg (extended by the "
+        "decode replica's heartbeats while it queues the request)",
+    )
+    p.add_argument(
+        "--kv-handshake-s",
+        type=float,
+        default=d["kv_handshake_s"].default,
+        help="the first pull of a decode replica from a prefill replica pays this handshake",
+    )
+    p.add_argument(
+        "--kv-block-transfer-s",
+        type=float,
+        default=d["kv_block_transfer_s"].default,
+        help="time to pull one KV block; a decode replica's pulls share its link (one at a time)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        default=d["kv_load_failure_policy"].default,
+        choices=("fail", "recompute"),
+        help="a decode leg whose pull fails: end it with an error (vLLM's default) or compute "
+        "the prompt itself",
+    )
+    p.add_argument(
         "--log-level", default="warning", type=str.lower, choices=LOG_LEVELS, help="logging level"
     )
     return p
@@ -225,6 +265,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
         kv_events_buffer_steps=args.kv_events_buffer_steps,
+        kv_connector=args.kv_connector,
+        nixl_side_channel_host=args.nixl_side_channel_host,
+        kv_lease_s=args.kv_lease_s,
+        kv_handshake_s=args.kv_handshake_s,
+        kv_block_transfer_s=args.kv_block_transfer_s,
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
 
 

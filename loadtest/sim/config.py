@@ -50,6 +50,22 @@ class SimConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000
+    # vLLM's --kv-transfer-config with NixlConnector (pull mode, kv_role kv_both): the replica
+    # serves the prefill leg (kv_transfer_params.do_remote_decode: pins its blocks for D) and
+    # the decode leg (do_remote_prefill: pulls the blocks it lacks from P). None: no connector
+    # (kv_transfer_params are ignored and answered null, as vLLM without one).
+    kv_connector: str | None = None
+    # VLLM_NIXL_SIDE_CHANNEL_HOST (vLLM's default: localhost). The simulator's side channel is
+    # its HTTP port (POST /_sim/nixl), so remote_port is that port.
+    nixl_side_channel_host: str = "localhost"
+    kv_lease_s: float = 30.0  # kv_lease_duration: how long P pins a request's blocks for D
+    kv_handshake_s: float = 0.05  # first contact of a decode engine with a prefill engine
+    # Time to pull one KV block over D's link (shared by its concurrent pulls, one FIFO): ~2 MB
+    # a 16-token block of an 8B model at ~25 GB/s.
+    kv_block_transfer_s: float = 0.0001
+    # kv_load_failure_policy: "fail" (vLLM's default: the request ends with an error) or
+    # "recompute" (D computes the prompt itself).
+    kv_load_failure_policy: str = "fail"
 
     def __post_init__(self) -> None:
         positive = (
@@ -76,5 +92,15 @@ class SimConfig:
         ):
             raise ValueError("SimConfig.request_overhead_s must be >= 0")
         self.lora_adapters = list(self.lora_adapters)
+        if self.kv_connector not in (None, "NixlConnector"):
+            raise ValueError(
+                f"SimConfig.kv_connector: only NixlConnector is simulated, got {self.kv_connector!r}"
+            )
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError("SimConfig.kv_load_failure_policy must be 'fail' or 'recompute'")
+        for name in ("kv_lease_s", "kv_handshake_s", "kv_block_transfer_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
+                raise ValueError(f"SimConfig.{name} must be >= 0, got {v!r}")
         if self.model in self.lora_adapters:
             raise ValueError("a LoRA adapter cannot have the base model's name")

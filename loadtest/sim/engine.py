@@ -29,7 +29,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from loadtest.sim.kvcache import Block, BlockPool, extend_hashes
 from loadtest.sim.metrics import SimMetrics
@@ -75,6 +75,10 @@ class Seq:
         "done",
         "finish_reason",
         "end_reason",
+        "remote_engine",
+        "hold",
+        "pulled_blocks",
+        "reported_cached",
     )
 
     def __init__(
@@ -116,10 +120,23 @@ class Seq:
         self.admitted: asyncio.Future[None] | None = None
         self.done: asyncio.Future[None] | None = None
         self.finish_reason: str | None = None
+        # P/D (loadtest.sim.nixl): a decode leg pulls the prompt blocks it lacks from this
+        # prefill engine; a prefill leg keeps its blocks after finishing (``hold``) until the
+        # decode leg has read them or the lease ran out.
+        self.remote_engine: str | None = None
+        self.hold = False
+        self.pulled_blocks = 0
+        self.reported_cached: int | None = None  # usage's cached_tokens, when not the local hit
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def usage_cached(self) -> int:
+        """``cached_tokens`` as the answer's usage reports it (a decode leg: the prefill
+        replica's count, as vLLM 0.34 reports it)."""
+        return self.num_cached_tokens if self.reported_cached is None else self.reported_cached
 
     @property
     def max_tokens(self) -> int:
@@ -138,6 +155,15 @@ class Seq:
         return self.first_token_at + (k - 1) * dt
 
 
+class KVTransfer(Protocol):
+    """How long a decode engine's pulls take (``loadtest.sim.nixl.Link``)."""
+
+    def pull(self, engine_id: str, num_blocks: int, now: float) -> float:
+        """Pull ``num_blocks`` from prefill engine ``engine_id`` starting no earlier than
+        ``now``; returns when the blocks are in."""
+        ...
+
+
 class Engine:
     def __init__(
         self,
@@ -154,6 +180,7 @@ class Engine:
         stats: dict[str, Any] | None = None,
         on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None,
         lora_ids: dict[str, int] | None = None,
+        transfer: KVTransfer | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -182,6 +209,8 @@ class Engine:
         self._timer_at = math.inf
         self._last_fire = -math.inf
         self._watchers: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self.transfer = transfer  # how long pulling blocks from a prefill engine takes
+        self.held: dict[str, Seq] = {}  # finished prefill legs whose blocks wait for D
 
     # ------------------------------------------------------------------ helpers
 
@@ -376,8 +405,21 @@ class Engine:
             self._register(s, p // bs)
             cached = len(hit) * bs
             s.num_cached_tokens = cached
-            start = max(t, self.next_free_at)
-            end = start if self.instant else start + (p - cached) / self.prefill_rate
+            ready, compute = t, p - cached
+            if s.remote_engine is not None and self.transfer is not None and compute > 0:
+                # A decode leg: the blocks it lacks come over its link from the prefill
+                # engine; it computes only the last prompt token itself (vLLM's scheduler
+                # recomputes it to sample the first token).
+                s.pulled_blocks = need_now
+                ready = self.transfer.pull(s.remote_engine, need_now, t)
+                compute = 1
+                self.stats["external_tokens"] += p - cached
+                self.stats["pulled_blocks"] += need_now
+                if self.metrics is not None:
+                    self.metrics.external_queries.inc(p - cached)
+                    self.metrics.external_hits.inc(p - cached)
+            start = max(ready, self.next_free_at)
+            end = start if self.instant else start + compute / self.prefill_rate
             s.decode_debt_s = s.max_tokens * self.decode_cost / self.prefill_rate
             self.next_free_at = end + s.decode_debt_s
             s.admitted_at = t
@@ -454,8 +496,30 @@ class Engine:
         s.reserved = 0
         self.active.pop(s, None)
 
+    def release_held(self, request_id: str) -> bool:
+        """A prefill leg's blocks are read (or its lease ran out): free them now. False when
+        no finished request holds blocks under that id."""
+        s = self.held.pop(request_id, None)
+        if s is None:
+            return False
+        now = self.now()
+        self.advance(now)
+        self.pool.free(reversed(s.blocks))
+        s.blocks = []
+        self._try_admit(now)
+        self.advance(now)
+        self._changed()
+        self._publish()
+        return True
+
     def _finish(self, s: Seq, t: float) -> None:
-        self._release(s)
+        if s.hold:  # a prefill leg: its blocks stay pinned for the decode leg
+            self.reserved -= s.reserved
+            s.reserved = 0
+            self.active.pop(s, None)
+            self.held[s.request_id] = s
+        else:
+            self._release(s)
         s.state = FINISHED
         s.finish_reason = s.end_reason
         s.num_emitted = s.max_tokens
@@ -484,6 +548,7 @@ class Engine:
                 "cache_salt": s.cache_salt,
                 "prompt_tokens": s.num_prompt_tokens,
                 "cached_tokens": s.num_cached_tokens,
+                "pulled_blocks": s.pulled_blocks,
                 "completion_tokens": s.num_emitted,
                 "finish_reason": s.finish_reason,
                 "arrival": s.arrival,
@@ -505,6 +570,11 @@ def new_stats(max_records: int = 100_000) -> dict[str, Any]:
         "aborted": 0,
         "injected_failures": 0,
         "errors": 0,
+        "external_tokens": 0,  # prompt tokens decode legs pulled from prefill replicas
+        "pulled_blocks": 0,
+        "kv_corrupt_reads": 0,  # pulls of blocks their prefill replica no longer pinned
+        "kv_load_failures": 0,  # pulls that failed (prefill side unreachable)
+        "kv_leases_expired": 0,  # prefill legs whose blocks no decode leg read in time
         "records": deque(maxlen=max_records),
     }
 

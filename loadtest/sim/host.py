@@ -11,6 +11,7 @@ from loadtest.sim.config import SimConfig
 from loadtest.sim.engine import Engine
 from loadtest.sim.faults import Faults
 from loadtest.sim.metrics import SimMetrics
+from loadtest.sim.nixl import NixlConnector
 from loadtest.sim.stream import Streamer
 from loadtest.sim.tokens import Words
 from router.prompt import Renderer
@@ -24,6 +25,7 @@ class Host(Protocol):
     streamer: Streamer
     created: int  # the model cards' creation time
     health_status: int  # what /health answers (a test hook)
+    nixl: NixlConnector | None  # the KV connector, for disaggregated serving
 
     @property
     def renderer(self) -> Renderer: ...

@@ -23,6 +23,7 @@ from loadtest.sim.faults import Faults
 from loadtest.sim.generate import Generation
 from loadtest.sim.kv_events import KVEventPublisher
 from loadtest.sim.metrics import SimMetrics
+from loadtest.sim.nixl import SIDE_CHANNEL_PATH, Link, NixlConnector
 from loadtest.sim.protocol import json_response
 from loadtest.sim.stream import Streamer
 from loadtest.sim.tokens import Words, get_renderer, get_words
@@ -83,7 +84,10 @@ class SimReplica:
             stats=self.stats,
             on_kv_events=self._publish_kv_events if c.kv_events_endpoint else None,
             lora_ids={name: i + 1 for i, name in enumerate(c.lora_adapters)},
+            transfer=Link(c) if c.kv_connector else None,
         )
+        # A new process: a new NIXL engine id, nothing pinned.
+        self.nixl = NixlConnector(c, self.engine, lambda: self.port) if c.kv_connector else None
 
     def _publish_kv_events(self, events: list[dict[str, Any]]) -> None:
         if self.kv_events is not None:
@@ -171,6 +175,8 @@ class SimReplica:
                 if transport is not None:
                     transport.abort()
         self.engine.abort_all()
+        if self.nixl is not None:
+            await self.nixl.close()
         await asyncio.sleep(0)  # let connection_lost cancel the handlers
         with contextlib.suppress(Exception):
             await runner.cleanup()
@@ -246,8 +252,18 @@ class SimReplica:
         r.add_post("/v1/responses", apis.responses)
         r.add_get("/v1/responses/{response_id}", apis.retrieve)
         r.add_post("/v1/responses/{response_id}/cancel", apis.cancel)
+        if self.nixl is not None:
+            r.add_post(SIDE_CHANNEL_PATH, self._side_channel)
         app.on_response_prepare.append(_echo_request_id)
         return app
+
+    async def _side_channel(self, request: web.Request) -> web.Response:
+        """NIXL's side channel (a decode replica reads, heartbeats or frees a prefill leg's
+        blocks): loadtest.sim.nixl."""
+        assert self.nixl is not None
+        msg = await request.json()
+        status, answer = self.nixl.side_channel(msg if isinstance(msg, dict) else {})
+        return json_response(answer, status=status)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:

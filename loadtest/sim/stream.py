@@ -48,7 +48,7 @@ def _usage(prompt: int, completion: int, prompt_details: str = "") -> str:
 
 def _cached_details(s: Seq, details: bool, zero: bool) -> str:
     """The role chunk's ``prompt_tokens_details`` (omitted when vLLM's would be None)."""
-    cached = s.num_cached_tokens
+    cached = s.usage_cached
     if not details or not (cached or zero):
         return ""
     return (
@@ -71,6 +71,44 @@ class Streamer:
         if self._config.instant:
             return 0.0
         return min(0.05, max(0.001, 0.001 * self.open / 8))
+
+    async def write_error(
+        self,
+        request: web.Request,
+        kind: str,
+        rid: str,
+        model: str,
+        headers: dict[str, str],
+        error: dict[str, object],
+    ) -> web.StreamResponse:
+        """A stream that fails before its first token (a decode leg's KV load failed): vLLM's
+        generator has sent the headers, chat its role chunk, then the error as one event."""
+        resp = await open_sse(request, headers)
+        parts = []
+        if kind == "chat":
+            head = dumps(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    "prompt_token_ids": None,
+                    "prompt_text": None,
+                }
+            )
+            parts.append(f"data: {head}\n\n")
+        parts.append(f"data: {dumps(error)}\n\ndata: [DONE]\n\n")
+        await resp.write("".join(parts).encode())
+        await resp.write_eof()
+        return resp
 
     async def write(
         self,
@@ -186,7 +224,7 @@ class Streamer:
                 usage = make_usage(
                     sum(s.num_prompt_tokens for s in seqs),
                     sum(s.max_tokens for s in seqs),
-                    sum(s.num_cached_tokens for s in seqs),
+                    sum(s.usage_cached for s in seqs),
                     details,
                     zero,
                 )
