@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtest import benchkit
+from loadtest import benchkit, filler
 from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.procs import running, start_gateway, start_replicas, wait_ready
 from loadtest.runner import GatewayTarget, RunResult, default_renderer, run_workload
@@ -50,8 +50,6 @@ from loadtest.workloads import (
     Script,
     Session,
     Workload,
-    _question,
-    _rng,
     tenant_system_prompt,
 )
 from router.config import load_config
@@ -107,7 +105,7 @@ def tenancy_workload(
         n: public_prompt if n in public else tenant_system_prompt(seed, i, system_words)
         for i, n in enumerate(names)
     }
-    arrivals = _rng(seed, "bench_tenancy", "arrivals")
+    arrivals = filler.rng(seed, "bench_tenancy", "arrivals")
     sessions = []
     t_now = 0.0
     for ci in range(conversations):
@@ -118,10 +116,12 @@ def tenancy_workload(
         def script(
             ci: int = ci, tenant: str = tenant, n: int = n_turns, salt: Any = salt
         ) -> Script:
-            rng = _rng(seed, "bench_tenancy", "conv", ci)
+            rng = filler.rng(seed, "bench_tenancy", "conv", ci)
             msgs: list[dict[str, Any]] = [{"role": "system", "content": prompts[tenant]}]
             for turn in range(n):
-                msgs.append({"role": "user", "content": _question(rng, rng.randint(*user_words))})
+                msgs.append(
+                    {"role": "user", "content": filler.question(rng, rng.randint(*user_words))}
+                )
                 think = rng.expovariate(1.0 / think_time_s) if think_time_s > 0 and turn else 0.0
                 body: dict[str, Any] = {
                     "model": model,

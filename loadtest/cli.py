@@ -94,7 +94,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="preamble: first, after_system or last (compare: a comma list or all)",
     )
     g.add_argument("--conversations", type=int, help="preamble / multi_tenant: conversations")
-    g.add_argument("--turns", type=_range, help="preamble: N turns; multi_tenant: MIN-MAX")
+    g.add_argument("--turns", type=_range, help="preamble: N turns; multi_tenant, agentic: MIN-MAX")
     g.add_argument(
         "--system-words",
         type=int,
@@ -107,21 +107,44 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="preamble / multi_tenant: seconds between "
         "turns (multi_tenant: mean of an exponential)",
     )
-    g.add_argument("--tenants", type=int, help="multi_tenant: number of tenants")
-    g.add_argument("--tenant-skew", type=float, help="multi_tenant: Zipf exponent (0 = uniform)")
+    g.add_argument("--tenants", type=int, help="multi_tenant, agentic: number of tenants")
+    g.add_argument(
+        "--tenant-skew", type=float, help="multi_tenant, agentic: Zipf exponent (0 = uniform)"
+    )
     g.add_argument(
         "--rate",
         type=float,
-        help="multi_tenant: conversations/s; prefix_repetition: requests/s (inf = all at once)",
+        help="multi_tenant: conversations/s; agentic: sessions/s; prefix_repetition: requests/s "
+        "(inf = all at once)",
     )
     g.add_argument(
         "--trace",
         help="trace: a Mooncake-format JSON-lines file (default: the "
         "bundled first 3,000 rows of the Mooncake conversation trace)",
     )
-    g.add_argument("--time-scale", type=float, help="trace: time compression (10 = 10x faster)")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        help="trace, agentic, sessions: time compression (10 = 10x faster)",
+    )
     g.add_argument("--max-output-tokens", type=int, help="trace: cap on max_tokens (default 128)")
     g.add_argument("--max-input-tokens", type=int, help="trace: skip longer rows (default 40000)")
+    g.add_argument(
+        "--sessions",
+        help="sessions: a JSON-lines file of recorded agent sessions (the format, and how to "
+        "convert a Mooncake trace: docs/load-testing.md)",
+    )
+    g.add_argument("--agent-sessions", type=int, help="agentic: sessions (default 24)")
+    g.add_argument(
+        "--context-cap",
+        type=int,
+        help="agentic: estimated tokens past which an agent compacts its context (100000)",
+    )
+    g.add_argument(
+        "--subagent-share",
+        type=float,
+        help="agentic: share of turns that fork a sub-agent first (default 0.15)",
+    )
     g.add_argument("--num-prefixes", type=int, help="prefix_repetition: prefixes (default 10)")
     g.add_argument("--suffixes-per-prefix", type=int, help="prefix_repetition: default 8")
     g.add_argument("--prefix-len", type=int, help="prefix_repetition: tokens (default 256)")
@@ -291,6 +314,20 @@ def workload_kwargs(args: argparse.Namespace, position: str | None = None) -> di
         put("conversations", args.conversations)
         put("rate", args.rate)
         put("tenant_skew", args.tenant_skew)
+    elif name == "agentic":
+        put("sessions", args.agent_sessions)
+        put("tenants", args.tenants)
+        put("tenant_skew", args.tenant_skew)
+        put("rate", args.rate)
+        put("turns", args.turns)
+        put("think_time_s", args.think_time)
+        put("system_words", args.system_words)
+        put("context_cap_tokens", args.context_cap)
+        put("subagent_share", args.subagent_share)
+        put("time_scale", args.time_scale)
+    elif name == "sessions":
+        put("path", args.sessions)
+        put("time_scale", args.time_scale)
     elif name == "prefix_repetition":
         put("num_prefixes", args.num_prefixes)
         put("suffixes_per_prefix", args.suffixes_per_prefix)

@@ -27,6 +27,9 @@ Workloads:
   simulated time.
 - :func:`noisy_neighbour` -- issue 32's scenario (quiet tenants, one flooding open-loop; see
   ``loadtest.noisy``); ``python -m loadtest.bench_flow`` runs it with flow control off and on.
+- :func:`loadtest.agentic.agentic` -- closed-loop agent sessions: tool results growing the
+  context to a cap, sub-agents forked from a shared warm prefix per agent kind, sessions
+  arriving and leaving; ``sessions`` replays recorded ones from a JSON-lines file.
 - :func:`prefix_repetition` -- N prefixes x M suffixes, like ``vllm bench serve --dataset-name
   prefix_repetition``. Flatters hit rates (see the warning it carries).
 """
@@ -34,13 +37,13 @@ Workloads:
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from loadtest import agentic, filler
 from loadtest.noisy import NoisyParams, noisy_workload
 from loadtest.pressure import PressureParams, pressure_workload
 from loadtest.spec import (
@@ -83,114 +86,9 @@ WORKLOADS = (
     "prefix_repetition",
     "pressure",
     "noisy_neighbour",
+    "agentic",
+    "sessions",
 )
-
-
-def _rng(seed: int, *parts: object) -> random.Random:
-    return random.Random(":".join(str(p) for p in (seed, *parts)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Synthetic text
-
-
-def _wordlist(text: str) -> tuple[str, ...]:
-    return tuple(text.split())
-
-
-_WORDS = _wordlist(
-    "account access action address agent alert answer api application archive audit backup "
-    "balance batch billing branch budget buffer build cache calendar capacity card catalog "
-    "change channel check claim client cluster code comment config contract cost credit "
-    "customer dashboard data database date deadline delivery deploy device discount document "
-    "domain draft email endpoint error event export feature feedback field file filter folder "
-    "format gateway group guide history host import incident index invoice issue item job key "
-    "label latency layer ledger license limit link list load log manager memory message "
-    "metric migration model module monitor network node note notice order owner package page "
-    "partner password payment period permission plan platform policy pool portal price "
-    "priority process product profile project queue quota record refund region release "
-    "replica report request resource response review role route rule schedule schema search "
-    "secret section server service session setting shipment signal snapshot source status "
-    "storage stream subscription summary support system table task team template tenant "
-    "ticket token topic trace transfer update upgrade usage user value vendor version volume "
-    "warehouse webhook window workflow zone"
-)
-_VERBS = _wordlist(
-    "check update review explain compare list find cancel restore move verify create delete "
-    "summarise export rename schedule approve reject escalate track refund merge"
-)
-_ADJ = _wordlist(
-    "current previous pending active archived monthly weekly annual primary secondary shared "
-    "private public recent overdue failed successful default custom regional"
-)
-_NAMES = _wordlist(
-    "Alice Bruno Chen Dana Emeka Farah Goran Hana Ivan Jia Kofi Lena Mateo Nadia Omar Priya "
-    "Quinn Rosa Sven Tariq Uma Viktor Wen Xavier Yara Zoe"
-)
-_COMPANIES = _wordlist(
-    "Acme Globex Initech Umbrella Hooli Vandelay Stark Wayne Tyrell Cyberdyne Soylent "
-    "Aperture Wonka Gringotts Oscorp Monarch"
-)
-
-
-def _sentence(rng: random.Random, n_words: int) -> str:
-    words = []
-    for i in range(max(3, n_words)):
-        pool = _WORDS if i % 3 else (_VERBS if i % 2 == 0 else _ADJ)
-        words.append(rng.choice(pool))
-    return words[0].capitalize() + " " + " ".join(words[1:]) + "."
-
-
-def _paragraphs(rng: random.Random, n_words: int) -> str:
-    """About ``n_words`` words of deterministic filler prose (roughly 1.1-1.3 Qwen3 tokens per
-    word), in paragraphs of a few sentences."""
-    out: list[str] = []
-    para: list[str] = []
-    total = 0
-    while total < n_words:
-        k = rng.randint(8, 18)
-        para.append(_sentence(rng, k))
-        total += k
-        if len(para) >= rng.randint(3, 6):
-            out.append(" ".join(para))
-            para = []
-    if para:
-        out.append(" ".join(para))
-    return "\n\n".join(out)
-
-
-def _question(rng: random.Random, n_words: int) -> str:
-    return f"Can you {rng.choice(_VERBS)} the {rng.choice(_ADJ)} {rng.choice(_WORDS)}? " + (
-        _sentence(rng, n_words) if n_words > 6 else ""
-    )
-
-
-def _tools(rng: random.Random, n_tools: int) -> list[dict[str, Any]]:
-    tools = []
-    for i in range(n_tools):
-        verb, noun = _VERBS[i % len(_VERBS)], _WORDS[(7 * i + 3) % len(_WORDS)]
-        props = {}
-        for j in range(rng.randint(2, 5)):
-            pname = f"{_WORDS[(11 * i + 5 * j) % len(_WORDS)]}_{j}"
-            props[pname] = {
-                "type": rng.choice(["string", "integer", "boolean"]),
-                "description": _sentence(rng, rng.randint(6, 14)),
-            }
-        tools.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": f"{verb}_{noun}",
-                    "description": _sentence(rng, rng.randint(12, 30)),
-                    "parameters": {
-                        "type": "object",
-                        "properties": props,
-                        "required": sorted(props)[:1],
-                    },
-                },
-            }
-        )
-    return tools
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,20 +137,20 @@ def preamble(
     """
     if position not in PREAMBLE_POSITIONS:
         raise ValueError(f"position must be one of {PREAMBLE_POSITIONS}, not {position!r}")
-    base = _rng(seed, "preamble", "shared")
+    base = filler.rng(seed, "preamble", "shared")
     system = (
         "You are the support assistant of Acme Cloud. Follow the policies below.\n\n"
-        + _paragraphs(base, system_words)
+        + filler.paragraphs(base, system_words)
     )
-    tool_schema = _tools(base, tools)
+    tool_schema = filler.tools(base, tools)
 
     def conversation(ci: int) -> Callable[[], Script]:
         def script() -> Script:
-            rng = _rng(seed, "preamble", "conv", ci)
-            user = _NAMES[ci % len(_NAMES)]
+            rng = filler.rng(seed, "preamble", "conv", ci)
+            user = filler.NAMES[ci % len(filler.NAMES)]
             history: list[dict[str, Any]] = []
             for turn in range(turns):
-                question = _question(rng, rng.randint(*user_words))
+                question = filler.question(rng, rng.randint(*user_words))
                 idx = ci * turns + turn
                 pre = make_preamble(idx, user, seed)
                 if position == "first":
@@ -326,9 +224,9 @@ def preamble(
 
 
 def tenant_system_prompt(seed: int, tenant: int, system_words: int) -> str:
-    rng = _rng(seed, "multi_tenant", "tenant", tenant)
-    company = _COMPANIES[tenant % len(_COMPANIES)]
-    return f"{company} tenant {tenant}: you are {company}'s assistant.\n\n" + _paragraphs(
+    rng = filler.rng(seed, "multi_tenant", "tenant", tenant)
+    company = filler.COMPANIES[tenant % len(filler.COMPANIES)]
+    return f"{company} tenant {tenant}: you are {company}'s assistant.\n\n" + filler.paragraphs(
         rng, system_words
     )
 
@@ -356,7 +254,7 @@ def multi_tenant(
         raise ValueError("tenants must be >= 1 and conversations >= 0")
     prompts = [tenant_system_prompt(seed, t, system_words) for t in range(tenants)]
     weights = [1.0 / (t + 1) ** tenant_skew for t in range(tenants)]
-    arrivals = _rng(seed, "multi_tenant", "arrivals")
+    arrivals = filler.rng(seed, "multi_tenant", "arrivals")
     t_now = 0.0
     sessions = []
     for ci in range(conversations):
@@ -417,10 +315,10 @@ def _tenant_conversation(
     model: str,
 ) -> Callable[[], Script]:
     def script() -> Script:
-        rng = _rng(seed, "multi_tenant", "conv", ci)
+        rng = filler.rng(seed, "multi_tenant", "conv", ci)
         msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
         for turn in range(n_turns):
-            msgs.append({"role": "user", "content": _question(rng, rng.randint(*user_words))})
+            msgs.append({"role": "user", "content": filler.question(rng, rng.randint(*user_words))})
             think = rng.expovariate(1.0 / think_time_s) if think_time_s > 0 and turn else 0.0
             body = {
                 "model": model,
@@ -483,7 +381,7 @@ def prefix_repetition(
     lo, hi = token_range
     prefixes = [rng.integers(lo, hi, prefix_len).tolist() for _ in range(num_prefixes)]
     pairs = [(p, s) for p in range(num_prefixes) for s in range(suffixes_per_prefix)]
-    order = _rng(seed, "prefix_repetition", "order")
+    order = filler.rng(seed, "prefix_repetition", "order")
     order.shuffle(pairs)
     t_now = 0.0
     sessions = []
@@ -539,6 +437,15 @@ def noisy_neighbour(*, model: str = DEFAULT_MODEL, **kwargs: Any) -> Workload:
 # ---------------------------------------------------------------------------------------------
 
 
+def sessions(
+    *, path: str | Path | None = None, seed: int = 0, model: str = DEFAULT_MODEL, **kwargs: Any
+) -> Workload:
+    """Recorded agent sessions (``loadtest.agentic``'s JSON-lines format), replayed closed-loop."""
+    if path is None:
+        raise ValueError("the sessions workload needs a file of recorded sessions (--sessions)")
+    return agentic.recorded(path, model=model, **kwargs)
+
+
 def build(name: str, **kwargs: Any) -> Workload:
     """Build a workload by name (``preamble``, ``multi_tenant``, ``trace``,
     ``prefix_repetition``, ``pressure``); ``kwargs`` go to its constructor."""
@@ -549,6 +456,8 @@ def build(name: str, **kwargs: Any) -> Workload:
         "prefix_repetition": prefix_repetition,
         "pressure": pressure,
         "noisy_neighbour": noisy_neighbour,
+        "agentic": agentic.agentic,
+        "sessions": sessions,
     }
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
