@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from loadtest.runner import RunResult
+from loadtest.runner import RunResult, percentiles
 
 
 def _pct(x: float | None) -> str:
@@ -192,6 +192,50 @@ def placement_lines(r: RunResult) -> list[str]:
     return out
 
 
+CONTEXT_BUCKETS = (4_096, 16_384, 32_768, 65_536)  # prompt tokens: upper bounds, then more
+TURN_BUCKETS = (1, 4, 10)  # a session's request index: 0, 1-3, 4-9, 10 and later
+
+
+def _bucket_label(bounds: Sequence[int], i: int, unit: str) -> str:
+    lo = bounds[i - 1] if i else 0
+    if i == len(bounds):
+        return f">= {lo:,}{unit}"
+    hi = bounds[i] - 1
+    return f"{lo:,}{unit}" if lo == hi else f"{lo:,}-{hi:,}{unit}"
+
+
+def ttft_by(results: Sequence[RunResult], key: str) -> str | None:
+    """TTFT p50 / p99 (ms) and requests per run, bucketed by the prompt's size (``key``
+    "context") or by the request's index in its session ("turn"); None when no run has
+    sessions of more than one request (nothing to bucket)."""
+    if not any(rec.turn > 0 for r in results for rec in r.records):
+        return None
+    bounds = CONTEXT_BUCKETS if key == "context" else TURN_BUCKETS
+    unit = " tokens" if key == "context" else ""
+
+    def bucket(rec: Any) -> int | None:
+        value = rec.prompt_tokens if key == "context" else rec.turn
+        if value is None:
+            return None
+        return next((i for i, b in enumerate(bounds) if value < b), len(bounds))
+
+    head = "prompt" if key == "context" else "request in session"
+    rows = [f"| run | {head} | requests | TTFT p50 ms | p99 ms |", "|---|---|---|---|---|"]
+    for r in results:
+        groups: dict[int, list[float]] = {}
+        for rec in r.records:
+            b = bucket(rec)
+            if rec.ok and rec.ttft_s is not None and b is not None:
+                groups.setdefault(b, []).append(rec.ttft_s)
+        for b in sorted(groups):
+            pc = percentiles(groups[b], (50, 99))
+            rows.append(
+                f"| {r.label} | {_bucket_label(bounds, b, unit)} | {len(groups[b])} | "
+                f"{pc['p50'] * 1000:.1f} | {pc['p99'] * 1000:.1f} |"
+            )
+    return "\n".join(rows)
+
+
 def render_summary(
     results: Sequence[RunResult],
     *,
@@ -246,6 +290,11 @@ def render_summary(
             + ", ".join(f"`{r.label}` {_pct(r.client_hit_rate)}" for r in client)
             + ".",
         ]
+    if results[0].stream:
+        for key, title in (("context", "TTFT by prompt size"), ("turn", "TTFT by turn")):
+            table = ttft_by(results, key)
+            if table is not None:
+                out += ["", f"## {title}", "", table]
     out += ["", "## Per replica", ""]
     for r in results:
         out += [f"### {r.label}", "", replica_table(r), ""]

@@ -14,6 +14,7 @@ import pytest
 from loadtest import agentic as ag
 from loadtest import workloads as wl
 from loadtest.replica import SimConfig, run_replicas
+from loadtest.report import ttft_by
 from loadtest.runner import ClientTarget, run_workload
 from loadtest.spec import RequestSpec
 
@@ -176,3 +177,10 @@ async def test_closed_loop_a_turn_waits_for_the_previous_answer_and_its_think_ti
             r.sent_s < records[0].end_s for s, o in by_script.items() if s != script for r in o
         )
     assert overlapped  # sessions ran concurrently, each closed-loop
+    # The report buckets TTFT by prompt size and by the request's place in its session.
+    by_turn, by_context = ttft_by([res], "turn"), ttft_by([res], "context")
+    assert by_turn is not None and by_context is not None
+    for table in (by_turn, by_context):
+        rows = [line.split(" | ") for line in table.splitlines()[2:]]
+        assert sum(int(row[2]) for row in rows) == res.ok
+    assert by_turn.splitlines()[2].split(" | ")[1] == "0" and "| 1-3 |" in by_turn
