@@ -99,7 +99,9 @@ class Gateway:
             read_timeout=max(
                 config.forwarding.first_byte_timeout_s, config.forwarding.idle_timeout_s
             ),
+            on_rewritten_id=self._rewritten_id,
         )
+        self._rewriting_hops: set[str] = set()
         self.forwarder = Forwarder(
             self.upstream,
             self.metrics,
@@ -148,6 +150,18 @@ class Gateway:
         # The registry follows the fleet: replicas come, go, report models and capacity.
         self.wiring.fleet_listeners.append(self._refresh_models_on)
         self.wiring.on_discovered = self.path.upkeep.refresh
+
+    def _rewritten_id(self, origin: str) -> None:
+        """An answer carried an X-Request-Id the gateway never sent: a hop that sets its own
+        (router/upstream.py). Counted; logged once per replica."""
+        self.metrics.child(self.metrics.rewritten_ids, origin).inc()
+        if origin not in self._rewriting_hops:
+            self._rewriting_hops.add(origin)
+            log.warning(
+                "%s answers with X-Request-Id values the gateway never sent: something between "
+                "them sets its own request ids; accepted (crossed answers are still refused)",
+                origin,
+            )
 
     def _json_checked(self, outcome: str) -> None:
         if outcome == "busy":

@@ -406,6 +406,13 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.rewritten_ids = Counter(
+            "prefix_router_upstream_rewritten_request_ids",
+            "Answers whose X-Request-Id the gateway never sent on that connection (a hop "
+            "between gateway and replica sets its own ids): accepted",
+            ["replica"],
+            registry=r,
+        )
         self.redis_fallbacks = Counter(
             "prefix_router_redis_fallbacks", "Lookups answered from the local view", registry=r
         )

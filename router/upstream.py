@@ -27,6 +27,9 @@ MAX_INTERIM_RESPONSES = 16  # 1xx answers skipped before one request's final res
 # A response head larger than this is a broken or hostile replica, not relayed (a 200 KB
 # header went to the client whole).
 MAX_HEAD_BYTES = 64 * 1024
+# Request ids sent on one connection that are remembered: an answer naming one of them is a
+# crossed (late) answer; an id never sent on it is a hop that sets its own ids.
+SENT_IDS_KEPT = 32
 
 
 class UpstreamError(Exception):
@@ -46,6 +49,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.sent_ids: deque[str] = deque(maxlen=SENT_IDS_KEPT)  # kept across exchanges
         self._reset()
 
     def _reset(self) -> None:
@@ -240,9 +244,16 @@ class UpstreamPool:
     """Keep-alive connections per origin (``scheme://host:port``)."""
 
     def __init__(
-        self, connect_timeout: float, read_timeout: float | None, keepalive_s: float = 60.0
+        self,
+        connect_timeout: float,
+        read_timeout: float | None,
+        keepalive_s: float = 60.0,
+        on_rewritten_id: Callable[[str], None] | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
+        # Called with the origin for each answer whose X-Request-Id the gateway never sent
+        # on that connection (an intermediary that sets its own ids): accepted, counted.
+        self.on_rewritten_id = on_rewritten_id
         self.read_timeout = read_timeout
         self.keepalive_s = keepalive_s
         self._idle: dict[str, list[_Connection]] = {}
@@ -316,14 +327,22 @@ class UpstreamPool:
                 raise
             echoed = next((v for k, v in conn.headers if k.lower() == "x-request-id"), None)
             if expected is not None and echoed is not None and echoed != expected:
-                # An answer to some other request (a late or unsolicited one on a pooled
-                # connection): never anyone's. vLLM echoes X-Request-Id (with
-                # --enable-request-id-headers); one fresh connection, then give up.
-                conn.abort()
-                if reused and not fresh_only:
-                    fresh_only = True
-                    continue
-                raise UpstreamError("bad response: X-Request-Id is another request's")
+                if echoed in conn.sent_ids:
+                    # The answer to an earlier request on this connection (a late one):
+                    # never anyone's. vLLM echoes X-Request-Id (with
+                    # --enable-request-id-headers); one fresh connection, then give up.
+                    conn.abort()
+                    if reused and not fresh_only:
+                        fresh_only = True
+                        continue
+                    raise UpstreamError("bad response: X-Request-Id is another request's")
+                # An id never sent on this connection: a hop in between (a proxy, a mesh
+                # sidecar) sets its own. Refusing it failed every request through that hop;
+                # stale bytes are still caught before the write (got_bytes, _unread).
+                if self.on_rewritten_id is not None:
+                    self.on_rewritten_id(origin)
+            if expected is not None:
+                conn.sent_ids.append(expected)
             return Response(self, origin, conn, self.read_timeout)
 
     def _origin(self, origin: str) -> tuple[str, int, ssl.SSLContext | None, bytes]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
+import aiohttp
+from aiohttp import web
 
-from router.upstream import UpstreamError, UpstreamPool
+from router.upstream import UpstreamPool
+from tests.helpers import chat_body, post, serve
 from tests.test_proxy_security import parse_head, raw_replica  # noqa: F401  (the fixture)
 
 
@@ -60,17 +62,90 @@ async def test_an_answer_naming_another_request_is_never_delivered(raw_replica):
         pool.close()
 
 
-async def test_a_replica_always_naming_another_request_fails_the_request(raw_replica):  # noqa: F811
-    async def wrong(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
-        w.write(answer({"for": "someone"}, "someone-else"))
+async def test_a_replica_always_naming_an_earlier_request_fails_the_request(raw_replica):  # noqa: F811
+    """Every answer names the first request sent on its connection: the first is its own,
+    every later one on that connection is crossed, and so is the fresh connection's retry
+    once it has answered one."""
+    first: dict[asyncio.StreamWriter, str] = {}
 
-    server = await raw_replica(wrong)
+    async def stuck(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        rid = first.setdefault(w, parse_head(head)["x-request-id"])
+        w.write(answer({"for": rid}, rid))
+
+    server = await raw_replica(stuck)
     pool = UpstreamPool(connect_timeout=5, read_timeout=5)
     try:
-        with pytest.raises(UpstreamError, match="X-Request-Id"):
-            await _ask(pool, server.url, "mine")
+        assert await _ask(pool, server.url, "one") == {"for": "one"}
+        # The pooled connection answers "one" again: crossed; the fresh one answers "two".
+        assert await _ask(pool, server.url, "two") == {"for": "two"}
+        assert server.connections == 2
     finally:
         pool.close()
+
+
+async def test_an_id_never_sent_is_a_hop_that_rewrites_ids(raw_replica):  # noqa: F811
+    """A proxy in front of the replica answers with ids of its own (issue 39, item 6): each
+    answer is the request's, and the pool says so once per answer."""
+    n = 0
+
+    async def rewrites(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        nonlocal n
+        n += 1
+        w.write(answer({"for": parse_head(head)["x-request-id"]}, f"hop-{n}"))
+
+    server = await raw_replica(rewrites)
+    seen: list[str] = []
+    pool = UpstreamPool(connect_timeout=5, read_timeout=5, on_rewritten_id=seen.append)
+    try:
+        for i in range(3):
+            assert await _ask(pool, server.url, f"mine-{i}") == {"for": f"mine-{i}"}
+        assert seen == [server.url] * 3
+        assert server.connections == 1  # kept alive: nothing was wrong with the connection
+    finally:
+        pool.close()
+
+
+async def test_a_fleet_behind_an_id_rewriting_proxy_is_served(fleet, gateway):
+    """A simulated replica behind a tiny proxy that sets its own X-Request-Id: every request
+    through the gateway is answered (it was 502 "X-Request-Id is another request's"), the
+    metric counts them, the log says it once."""
+    (replica,) = await fleet(1)
+    upstream = aiohttp.ClientSession()
+    count = 0
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        nonlocal count
+        count += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        async with upstream.request(
+            request.method,
+            replica.url + request.path_qs,
+            data=await request.read(),
+            headers=headers,
+        ) as resp:
+            body = await resp.read()
+            out = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type",)}
+            out["X-Request-Id"] = f"proxy-{count}"
+            return web.Response(status=resp.status, body=body, headers=out)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    runner, url = await serve(app)
+    try:
+        gw = await gateway([url])
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):
+                status, headers, body = await post(
+                    s, gw.url + "/v1/chat/completions", chat_body(f"hello {i}")
+                )
+                assert status == 200, body
+            async with s.get(gw.url + "/metrics") as resp:
+                page = await resp.text()
+        line = f'prefix_router_upstream_rewritten_request_ids_total{{replica="{url}"}} 4.0'
+        assert line in page
+    finally:
+        await upstream.close()
+        await runner.cleanup()
 
 
 async def test_bytes_waiting_on_an_idle_connection_are_nobodys_answer(raw_replica):  # noqa: F811
