@@ -375,8 +375,10 @@ class Fleet:
             self._ticks += 1
             healthy = self.healthy()
             await asyncio.gather(*(self._scrape(r) for r in healthy))
-            if self._ticks % 30 == 0:
-                await asyncio.gather(*(self._fetch_models(r) for r in healthy))
+            # Every 30 ticks; a replica whose /v1/models has not answered yet, every tick
+            # (the gateway is not ready, and refuses unknown names, until one has).
+            due = healthy if self._ticks % 30 == 0 else [r for r in healthy if not r.models_known]
+            await asyncio.gather(*(self._fetch_models(r) for r in due))
 
     async def _probe(self, replica: Replica) -> None:
         await self._check_health(replica)

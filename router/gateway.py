@@ -37,8 +37,9 @@ from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
 from router.limits import BodyLimits
 from router.loading import load_renderer, tokenizer_source
 from router.metrics import Metrics
-from router.models import ModelEntry, ModelRegistry
+from router.models import ModelEntry, ModelRegistry, tokenizers
 from router.prompt import Renderer
+from router.readiness import Readiness, assess
 from router.request import Endpoint
 from router.request_path import (
     DEFAULT_BLOCK_SIZE,
@@ -183,6 +184,8 @@ class Gateway:
 
     async def _start(self) -> None:
         config, wiring, path = self.config, self.wiring, self.path
+        # Before any worker thread can: a first import racing in two threads failed.
+        tokenizers.import_transformers()
         await wiring.open()
         await wiring.wait_for_a_model(path.renderer is not None)  # the registry, fleet mode
         if config.fleet.redis_url:
@@ -239,9 +242,15 @@ class Gateway:
             path.block_size = default.block_size
             if path.renderer is None:
                 path.renderer = default.renderer  # a body without ``model`` offline
-        self._describe_models()
+        self.describe_models()
 
-    def _describe_models(self) -> None:
+    def readiness(self) -> Readiness:
+        """Whether this gateway can route exactly now, and what it waits for if not (defined
+        once, in router/readiness.py)."""
+        assert self.fleet is not None
+        return assess(self.fleet, self.path.models.entries, self.draining)
+
+    def describe_models(self) -> None:
         """The start-up summary's tokenizer and block-size lines (router/startup.py)."""
         entries = sorted(self.path.models.entries.values(), key=lambda e: e.name)
         if not entries:

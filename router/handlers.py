@@ -17,7 +17,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from router import startup
 from router.body import content_coding
 from router.budget import peer_key
 from router.errors import APIError
@@ -239,29 +238,18 @@ class Handlers:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        assert self.gw.fleet is not None
-        healthy = len(self.gw.fleet.healthy())
-        ok = healthy > 0 and not self.gw.draining
+        """Readiness (router/readiness.py): 200 or 503 with status and counts for anyone;
+        what it waits for and each model's state (names, paths, errors) only for whoever
+        may see them: with an admin key configured, its holder; without one, everyone when
+        auth is off (the operator owns the fleet) and no one when it is on."""
+        state = self.gw.readiness()
+        admin_key = self.gw.config.auth.admin_key
+        if admin_key:
+            detailed = admin_key_ok(request, admin_key, accept_bearer=True)
+        else:
+            detailed = not self.gw.config.auth.enabled
         return web.json_response(
-            {
-                "ready": ok,
-                "healthy_replicas": healthy,
-                "replicas": len(self.gw.fleet.replicas),
-                "draining": self.gw.draining,
-                "waiting_for": startup.waiting_for(self.gw),  # null when ready
-                "models": {
-                    name: {
-                        "basis": e.basis,
-                        "replicas": len(e.replicas),
-                        "kept_apart": len(e.apart),
-                        "block_size": e.block_size,
-                        "drifting": e.drift.flagged,
-                        **({"missing_tokenizer": e.missing} if e.missing else {}),
-                    }
-                    for name, e in sorted(self.gw.models.entries.items())
-                },
-            },
-            status=200 if ok else 503,
+            state.detail() if detailed else state.counts(), status=200 if state.ready else 503
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:

@@ -412,7 +412,10 @@ class RequestPath:
         return admitted, self._tokenize(admitted)
 
     def serving(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Replica]:
-        """The replicas that can take a request for ``model`` (router/models/upkeep.py)."""
+        """The replicas that can take a request for ``model`` (router/models/upkeep.py); a
+        name no replica has listed yet is a 503 while their models are not known."""
+        if not exclude:  # the first pick; a retry's name was checked then
+            self.upkeep.check_known(model)
         return self.upkeep.serving(model, exclude)
 
     # -- flow control (router/flow/): a ticket before forwarding ----------------------------

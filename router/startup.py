@@ -15,21 +15,14 @@ from router import __version__
 from router.config import mask_url_credentials
 from router.fleet import Replica
 from router.gateway import Gateway
+from router.models import ModelEntry
 
 log = logging.getLogger("prefix_router")
 
 
 def waiting_for(gw: Gateway) -> str | None:
     """Why ``/ready`` answers 503 now, in words (None: it answers 200)."""
-    if gw.draining:
-        return "the gateway is shutting down"
-    assert gw.fleet is not None
-    if gw.fleet.healthy():
-        return None
-    replicas = list(gw.fleet.replicas.values())
-    if not replicas:
-        return "a replica: none configured or discovered yet"
-    return "a replica to pass its health check (" + "; ".join(_state(r) for r in replicas) + ")"
+    return gw.readiness().waiting_for
 
 
 def _state(r: Replica) -> str:
@@ -99,7 +92,8 @@ def _auth(gw: Gateway) -> str:
 
 def announce(gw: Gateway, url: str) -> None:
     """Log the summary, then "gateway ready" now or, if ``/ready`` is 503, what it waits for
-    and "gateway ready" once a replica passes its health check."""
+    and "gateway ready" once it is (router/readiness.py: a replica healthy, its models
+    answered and their tokenizers settled)."""
     log.info("%s", "\n".join(summary(gw, url)))
     gw.listening = True
     blocked = waiting_for(gw)
@@ -108,11 +102,19 @@ def announce(gw: Gateway, url: str) -> None:
         return
     log.warning("gateway not ready yet: /ready answers 503 while it waits for %s", blocked)
 
+    def check(why: str) -> None:
+        if not gw.announced_ready and waiting_for(gw) is None:
+            gw.describe_models()  # the tokenizer it is ready with, not the one at listen
+            _ready(gw, f" ({why}; tokenizer {gw.tokenizer_source})")
+
     async def on_event(replica: Replica, event: str) -> None:
-        if event == "healthy" and not gw.announced_ready and waiting_for(gw) is None:
-            _ready(gw, f" (replica {replica.url} passed its health check)")
+        check(f"replica {replica.url}: {event}")
+
+    def on_loaded(entry: ModelEntry) -> None:
+        check(f"model {entry.name}: tokenizer {entry.state}")
 
     gw.fleet_listeners.append(on_event)
+    gw.path.upkeep.on_loaded.append(on_loaded)
 
 
 def _ready(gw: Gateway, why: str) -> None:

@@ -27,8 +27,9 @@ Reply = Callable[[bytes, bytes, asyncio.StreamWriter], Awaitable[None]]
 
 @dataclass
 class RawReplica:
-    """A raw HTTP/1.1 server: GET /health answers 200 (so a gateway routes to it), other
-    GETs 404; each POST goes to ``reply(head, body, writer)``. Records what it received."""
+    """A raw HTTP/1.1 server: GET /health answers 200 and GET /v1/models lists the model
+    (so a gateway is ready and routes to it), other GETs 404; each POST goes to
+    ``reply(head, body, writer)``. Records what it received."""
 
     reply: Reply
     connections: int = 0
@@ -47,7 +48,9 @@ class RawReplica:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(parse_head(head).get("content-length", "0"))
                 body = await reader.readexactly(length)
-                if head.startswith(b"GET "):
+                if head.startswith(b"GET /v1/models "):
+                    writer.write(json_answer(MODELS))  # as vLLM lists its model
+                elif head.startswith(b"GET "):
                     status = b"200 OK" if head.startswith(b"GET /health ") else b"404 Not Found"
                     writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
                 else:
@@ -61,6 +64,9 @@ class RawReplica:
             pass
         finally:
             writer.close()
+
+
+MODELS = {"object": "list", "data": [{"id": "Qwen/Qwen3-0.6B", "object": "model"}]}
 
 
 def parse_head(head: bytes) -> dict[str, str]:

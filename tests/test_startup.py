@@ -87,7 +87,8 @@ async def test_no_gateway_ready_while_ready_is_503_and_the_reason_is_named(  # t
     gateway, caplog
 ) -> None:
     """A replica not started yet: the log and /ready say connection refused, and "gateway
-    ready" comes once it passes its health check."""
+    ready" comes once it passes its health check, answers /v1/models and its model's
+    tokenizer is loaded."""
     from loadtest.replica import SimConfig, SimReplica
 
     caplog.set_level(logging.INFO, logger="prefix_router")
@@ -111,7 +112,8 @@ async def test_no_gateway_ready_while_ready_is_503_and_the_reason_is_named(  # t
 
         await wait_for(announced, what="gateway ready")
         (ready,) = [m for m in messages(caplog) if m.startswith("gateway ready")]
-        assert f"replica {url} passed its health check" in ready
+        # Ready once the replica answered /v1/models and its model's tokenizer is in.
+        assert "model Qwen/Qwen3-0.6B: tokenizer loaded" in ready
         status, body = await get_ready(gw.url)
         assert status == 200 and body["waiting_for"] is None
     finally:

@@ -62,7 +62,15 @@ class ModelEntry:
     apart: tuple[str, ...] = ()  # kept apart: another block size or root than the primary group
     adapters: frozenset[str] = frozenset()
     drift: DriftWatch = field(default_factory=DriftWatch)
-    loaded: bool = False  # its tokenizer was looked for (found or not)
+    # pending: not looked for yet; loaded: exact; fallback: no tokenizer anywhere (declared
+    # absent: the labelled text prefix); failed: one was found or given but did not load
+    # (retried with backoff, router/models/upkeep.py). Readiness reads it (router/readiness.py).
+    state: str = "pending"
+
+    @property
+    def loaded(self) -> bool:
+        """Its tokenizer was looked for and the outcome is final (exact, or declared absent)."""
+        return self.state in ("loaded", "fallback")
 
     @property
     def namespace(self) -> str:
@@ -85,6 +93,7 @@ class ModelEntry:
             "tokenizer": self.tokenizer,
             "tokenizer_origin": self.tokenizer_origin,
             "missing_tokenizer": self.missing,
+            "tokenizer_state": self.state,
             "block_size": self.block_size,
             "block_size_origin": self.block_size_origin,
             "hash_algo": self.hash_algo,
@@ -234,12 +243,14 @@ class ModelRegistry:
         return len(self.entries) <= 1
 
     def load(self, name: str) -> ModelEntry:
-        """Find and load ``name``'s tokenizer (blocking: call it in a thread). A model whose
-        tokenizer cannot be found or loaded gets one warning and the text-prefix fallback."""
+        """Find and load ``name``'s tokenizer (blocking: call it in a thread). A model with no
+        tokenizer anywhere (or one vLLM renders otherwise) gets one warning and the
+        text-prefix fallback (``state`` fallback); one that was found or given but did not
+        load is ``failed``, not remembered as such: the caller retries it. At start-up an
+        explicit tokenizer (--tokenizer, models: NAME: tokenizer:) that cannot load stops the
+        gateway with one line (SystemExit)."""
         with self._lock:
-            entry = self._load(name)
-            entry.loaded = True
-            return entry
+            return self._load(name)
 
     def unloaded(self) -> list[str]:
         return [name for name, e in self.entries.items() if not e.loaded]
@@ -257,13 +268,15 @@ class ModelRegistry:
                 None,
                 "injected",
             )
-            entry.missing = None
+            entry.missing, entry.state = None, "loaded"
             return entry
         flag = self.flag_tokenizer if self._flag_applies(name) else None
+        failed = False  # found or given, and not loaded: retried, never cached
         try:
             found = tokenizers.find(name, entry.root, spec.tokenizer if spec else None, flag)
         except FileNotFoundError as e:
-            found, why = None, str(e)
+            found, why, failed = None, str(e), True
+            self._explicit_failed(name, why)
         else:
             why = f"none in the config, at its root {entry.root!r} or in {tokenizers.hub_cache()}"
             if found is None and self.fetch is not None:  # allowed, and never on a request
@@ -291,14 +304,16 @@ class ModelRegistry:
                         max_prompt_chars=self.max_prompt_chars,
                     )
                 except tokenizers.Unsupported as e:
-                    self._renderers[key] = None
+                    self._renderers[key] = None  # final: vLLM renders it otherwise
                     self._load_errors[key] = f"refused: {e}"
-                except Exception as e:  # transformers raises OSError, ValueError, ...
-                    self._renderers[key] = None
+                except Exception as e:  # transformers raises OSError, ValueError, ImportError
+                    # Not cached: a load that failed once (files still being written, a
+                    # concurrent first import) is retried, never the model's state for life.
                     first = str(e).splitlines()[0] if str(e) else ""
-                    self._load_errors[key] = (
-                        f"cannot load {found.path}: {type(e).__name__}: {first}"
-                    )
+                    why = f"cannot load {found.path}: {type(e).__name__}: {first}"
+                    if found.origin in ("config", "flag"):
+                        self._explicit_failed(name, why)
+                    return self._failed(entry, why)
             renderer = self._renderers[key]
             if renderer is not None:
                 entry.renderer, entry.tokenizer = renderer, found.path
@@ -312,10 +327,13 @@ class ModelRegistry:
                     entry.block_size_origin,
                     len(entry.replicas),
                 )
+                entry.state = "loaded"
                 return entry
             why = self._load_errors[key]
+        if failed:
+            return self._failed(entry, why)
         entry.renderer, entry.tokenizer, entry.tokenizer_origin = None, None, "none"
-        entry.missing = why
+        entry.missing, entry.state = why, "fallback"
         if self._once(f"missing:{name}"):
             log.warning(
                 "model %s: no usable tokenizer (%s); its requests are routed by load and a "
@@ -324,6 +342,19 @@ class ModelRegistry:
                 why,
                 tokenizers.HOW_TO_GIVE.replace("NAME", name),
             )
+        return entry
+
+    def _explicit_failed(self, name: str, why: str) -> None:
+        """A tokenizer the operator named cannot load: at start-up that is the gateway's one
+        line and exit status 2, not a gateway that runs on the text fallback."""
+        if not self.started:
+            raise SystemExit(f"prefix-router: model {name}: {why}")
+
+    def _failed(self, entry: ModelEntry, why: str) -> ModelEntry:
+        """A found or given tokenizer did not load: the text prefix until a retry loads it."""
+        entry.renderer, entry.tokenizer, entry.tokenizer_origin = None, None, "none"
+        entry.missing, entry.state = why, "failed"
+        log.warning("model %s: tokenizer failed to load (%s); retrying", entry.name, why)
         return entry
 
     # -- the request path ---------------------------------------------------------------------

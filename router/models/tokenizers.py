@@ -80,12 +80,21 @@ def cached_snapshot(repo_id: str, cache: Path | None = None) -> Path | None:
     return max(candidates, key=lambda d: d.stat().st_mtime) if candidates else None
 
 
+def import_transformers() -> None:
+    """Import transformers' tokenizer classes once, on the calling thread. A first import
+    racing in two worker threads failed with "cannot import name 'AutoTokenizer'" (its lazy
+    module is not thread-safe): the gateway calls this before any worker thread starts."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def resolve_name(name: str) -> Path | None:
     """A configured tokenizer: a local directory, or a model id in the hub cache."""
     p = Path(name).expanduser()
     if _has_tokenizer(p):
         return p
-    return cached_snapshot(name)
+    # A model id with a bundled tokenizer resolves as router/loading.py resolves --tokenizer
+    # without replicas: the same flag must not mean two things by the fleet's state.
+    return cached_snapshot(name) or tokenizer_for_model(name)
 
 
 def find(

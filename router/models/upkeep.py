@@ -30,6 +30,10 @@ from router.request import RoutedRequest
 
 log = logging.getLogger("prefix_router")
 
+# A tokenizer that failed to load is tried again after this, doubling up to the cap.
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 60.0
+
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 Decode = Callable[[Sequence[int]], str]
 
@@ -56,6 +60,9 @@ class ModelUpkeep:
         self._session = session
         self.ready = False  # start-up loaded the registry's tokenizers (Gateway._start)
         self.adapter_loads = AdapterLoads(config.registry.lora_refusal_ttl_s)
+        # Called after each load (a model's state changed): readiness listens here.
+        self.on_loaded: list[Callable[[ModelEntry], None]] = []
+        self._retrying: set[str] = set()
         if config.registry.tokenizer_download:
             registry.fetch = download.Downloader()
 
@@ -85,20 +92,42 @@ class ModelUpkeep:
         for name in self.registry.unloaded():
             self.loaded(await loop.run_in_executor(self.executor, self.registry.load, name))
         self.ready = self.registry.started = True
+        for name in self.registry.unloaded():  # failed (not an explicit tokenizer): retried
+            self.spawn(self._load_later(name, RETRY_FIRST_S))
 
-    async def _load_later(self, name: str) -> None:
+    async def _load_later(self, name: str, delay: float = 0.0) -> None:
+        """Load ``name``'s tokenizer; while it fails, again after a growing delay (until it
+        loads, or the model leaves the registry). One retry loop per model."""
+        if name in self._retrying:
+            return
+        self._retrying.add(name)
         # A download (allowed) waits on the network: not in a tokenizing thread.
         executor = None if self.registry.fetch is not None else self.executor
         loop = asyncio.get_running_loop()
-        self.loaded(await loop.run_in_executor(executor, self.registry.load, name))
+        try:
+            while True:
+                if delay:
+                    await asyncio.sleep(delay)
+                entry = self.registry.entries.get(name)
+                if entry is None or entry.loaded:
+                    return
+                self.loaded(await loop.run_in_executor(executor, self.registry.load, name))
+                if entry.loaded:
+                    return
+                delay = min(RETRY_MAX_S, max(RETRY_FIRST_S, 2 * delay))
+        finally:
+            self._retrying.discard(name)
 
     def loaded(self, entry: ModelEntry) -> None:
         if entry.renderer is not None:
             # The longest token (check_fits' bound) scans the vocabulary once: not on a request.
             entry.renderer.max_chars_per_token()
-        self.metrics.model_info.labels(
-            entry.name, entry.basis, entry.tokenizer_origin, str(entry.block_size)
-        ).set(1)
+        if entry.loaded:
+            self.metrics.model_info.labels(
+                entry.name, entry.basis, entry.tokenizer_origin, str(entry.block_size)
+            ).set(1)
+        for hook in self.on_loaded:
+            hook(entry)
 
     # -- what the request path asks -----------------------------------------------------------
     def route(self, name: Any, renderer: Renderer | None, block_size: int) -> Route:
@@ -110,12 +139,44 @@ class ModelUpkeep:
             return models.offline(name or models.offline_default(), renderer, block_size)
         route = models.resolve(name)
         if route is None:
-            self.serving(models.alias(name) if name else (fleet.base_model() or ""))
+            target = models.alias(name) if name else (fleet.base_model() or "")
+            self.check_known(target)
+            self.serving(target)
             self.refresh()  # served, but the registry has not seen it yet
             route = models.resolve(name)
         if route is None:  # not in the registry yet: by load and the text prefix meanwhile
             return models.offline(name or "", None, block_size)
         return route
+
+    def check_known(self, model: str | None) -> None:
+        """A 503 for a name no replica has listed while some have not answered /v1/models
+        yet: not a name to take on trust (each one left metric labels, registry entries,
+        queues and Redis keys behind, never freed). ``None``: no model named."""
+        if model is not None and not self._may_be_served(model):
+            raise APIError(
+                503,
+                "models not known yet: no replica has answered /v1/models; retry shortly",
+                code="models_not_known",
+            )
+
+    def _may_be_served(self, model: str) -> bool:
+        """Whether ``model`` may name something a replica serves: listed by a replica that
+        answered /v1/models (a base model, an adapter, an active one), configured under
+        models: (or an alias), a loadable adapter; or every healthy replica has answered, and
+        ``serving`` says (a 404 for a name none lists)."""
+        fleet = self._fleet()
+        assert fleet is not None
+        if model in self.registry.specs or model in self.registry.loadable_adapters:
+            return True
+        unknown = False
+        for r in fleet.replicas.values():
+            if not r.healthy:
+                continue
+            if not r.models_known:
+                unknown = True
+            elif model in r.models or model in r.stats.lora_active:
+                return True
+        return not unknown
 
     def serving(
         self,
