@@ -27,7 +27,9 @@ import gzip
 import json
 import multiprocessing
 import queue
+import random
 import statistics
+import string
 import tempfile
 import time
 from collections import Counter
@@ -322,6 +324,23 @@ async def adapter_flood(ctx: Ctx) -> None:
     await _repeat(ctx, 12, send)
 
 
+async def random_model_names(ctx: Ctx) -> None:
+    """Tenant A, four senders: small chat bodies each naming a new random 200-character
+    model (issue 39, item 9: each a 404, or a 503 before any replica's /v1/models has
+    answered; none leaves a metric label, registry entry or queue behind)."""
+    rng = random.Random(39)
+    headers = {**bearer("a"), "Content-Type": "application/json"}
+
+    async def send(s: aiohttp.ClientSession) -> str:
+        name = "".join(rng.choices(string.ascii_letters, k=200))
+        body = {"model": name, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        return await _post_status(
+            s, ctx.url + "/v1/chat/completions", json.dumps(body).encode(), headers
+        )
+
+    await _repeat(ctx, 4, send)
+
+
 # -- a hostile KV event publisher (the gateway runs in precise mode: one replica's events
 # come from it) ---------------------------------------------------------------------------
 KV_MESSAGES = 20_000  # junk messages per live or replay attack
@@ -427,6 +446,7 @@ MIXES: list[tuple[str, Mix]] = [
     ("kv_batch_15mb", kv_batch_15mb),
     ("kv_65k_events", kv_65k_events),
     ("adapter_flood", adapter_flood),
+    ("random_model_names", random_model_names),
 ]
 
 
