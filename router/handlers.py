@@ -197,9 +197,20 @@ class Handlers:
         return await self.route(request, "completions")
 
     async def models(self, request: web.Request) -> web.Response:
-        self.identify(request)  # same auth as generation
+        tenant = self.identify(request)  # same auth as generation
         assert self.gw.fleet is not None
         cards = sorted(self.gw.fleet.models().values(), key=lambda c: str(c.get("id")))
+        tenancy = self.gw.tenancy
+        if tenancy.config.auth.enabled and tenancy.policy_of(tenant).models is not None:
+            # Only what the tenant's models: allow-list names (directly or by an alias).
+            aliases = self.gw.models.aliases
+            cards = [
+                c
+                for c in cards
+                if tenancy.may_use(
+                    tenant, str(c.get("id")), *(a for a, t in aliases.items() if t == c.get("id"))
+                )
+            ]
         return web.json_response({"object": "list", "data": cards})
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
@@ -211,6 +222,7 @@ class Handlers:
         parsed = parse_json_object(raw)
         check_body(parsed, self.gw.limits)
         model = parsed.get("model")
+        self.path.check_model(tenant, model)
         if isinstance(model, str) and self.gw.models.alias(model) != model:
             model = self.gw.models.alias(model)  # the replicas know the served name only
             raw = json.dumps({**parsed, "model": model}).encode()

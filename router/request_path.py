@@ -22,7 +22,7 @@ from typing import Any
 
 from router import blocks, costs, lazy_tail
 from router.config import Config
-from router.errors import bad_request
+from router.errors import APIError, bad_request, clip
 from router.fleet import Replica
 from router.flow.controller import Estimate, FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
@@ -55,6 +55,10 @@ LARGE_BODY_BYTES = 256 * 1024  # bodies beyond this are parsed and rendered in a
 # API layer hands them in, so this layer never imports it.
 ChatConverter = Callable[[dict[str, Any]], dict[str, Any]]
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+# The APIs whose vLLM request takes ``priority`` (chat, completions, Responses in v0.34).
+BAND_PRIORITY_APIS = frozenset({"chat", "completions", "responses"})
 
 
 @record
@@ -103,6 +107,7 @@ class RequestPath:
         self.executor = executor
         self.spawn = spawn
         self.tenancy = Tenancy(config)
+        self.band_priority = config.flow.flow_band_priority  # vLLM priority from the band
         self.limits = BodyLimits.from_config(config.limits)
         self.renderer = renderer  # --tokenizer's (or one handed in): see ModelRegistry
         self.block_size = config.routing.block_size or DEFAULT_BLOCK_SIZE
@@ -314,7 +319,13 @@ class RequestPath:
         everything that comes before tokenizing. A request for a model nobody serves is
         refused here, so it cannot be used to time the tokenizer's caches for free."""
         body = client_body = parse_body(raw, endpoint, self.limits)
-        route = self.served(body.get("model"))
+        tenancy = self.tenancy
+        tenancy.check_fields(tenant, body)
+        name = body.get("model")
+        self.check_model(tenant, name)  # before its route: no work, no oracle
+        route = self.served(name)
+        if not name:
+            self.check_model(tenant, route.model)  # the default model
         model, lora, entry = route.model, route.lora, route.entry
         fleet = self.wiring.opened
         if fleet is not None and not fleet.serves(model):
@@ -340,6 +351,11 @@ class RequestPath:
                 body["cache_salt"] = salt.salt
             if endpoint == "chat":
                 chat = body
+        if self.band_priority and endpoint in BAND_PRIORITY_APIS and "priority" not in client_body:
+            body = dict(body)
+            body["priority"] = tenancy.band_priority(tenant)
+            if endpoint == "chat":
+                chat = body
         return _Admitted(endpoint, body, client_body, model, lora, salt, entry, chat)
 
     def _precheck(self, admitted: _Admitted, tenant: str, flow: FlowSettings) -> None:
@@ -357,6 +373,21 @@ class RequestPath:
             costs.output_limit(limits), costs.sequences(limits, costs.prompt_count(admitted.body))
         )
         self.flow.precheck(tenant, flow, prompt + output)
+
+    def check_model(self, tenant: str, name: Any) -> None:
+        """The 404 of an unknown model for one the tenant's ``models`` allow-list leaves
+        out (adapters included): word for word the same, so it tells nothing of what
+        exists, and no runtime adapter load follows."""
+        tenancy = self.tenancy
+        if not isinstance(name, str) or not name or tenancy.may_use(tenant, name):
+            return  # auth off (every model open), or listed as sent
+        if not tenancy.may_use(tenant, self.models.alias(name)):
+            raise APIError(
+                404,
+                f"The model `{clip(name)}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
 
     def _tokenize_lazy(self, admitted: _Admitted, renderer: Renderer) -> Sequence[int] | Head:
         """``_tokenize``, or for a chat prompt with new text a head (router/lazy_tail.py)."""

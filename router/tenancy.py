@@ -53,6 +53,16 @@ POLICIES = ("none", "tenant", "tenant+client", "reject", "passthrough")
 # A secret's epoch label goes into every salt, so it must keep the salt valid for vLLM.
 _EPOCH_RE = re.compile(r"[A-Za-z0-9._-]{1,32}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+# Body fields that steer vLLM's engine rather than ask it something (its chat, completions
+# and Responses requests, vllm/entrypoints/openai/protocol.py in v0.34): ``priority`` (with
+# --scheduling-policy priority it reorders the replica's queue, over the gateway's bands),
+# ``kv_transfer_params`` (disaggregated prefill: which KV to pull from where; only the
+# gateway, or a tenant the table trusts, sets it) and ``vllm_xargs`` (arguments for custom
+# logits processors and plugins). With auth on a tenant sends one only if its entry's
+# ``allow_fields`` lists it.
+ENGINE_FIELDS = ("priority", "kv_transfer_params", "vllm_xargs")
+# A band's vLLM ``priority`` when the gateway sets it (flow_band_priority): lower runs first.
+BAND_PRIORITY = {"critical": -1, "standard": 0, "sheddable": 1}
 
 
 def key_digest(key: str) -> str:
@@ -72,6 +82,8 @@ class TenantPolicy:
     salt_policy: str
     public_prefixes: tuple[str, ...] = ()
     flow: FlowSettings = FlowSettings()  # weight, band, rate limits (router/flow/)
+    allow_fields: frozenset[str] = frozenset()  # ENGINE_FIELDS it may send (auth on)
+    models: frozenset[str] | None = None  # the models and adapters it may use (None: all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,11 +247,23 @@ def load_table(config: Config, env: Mapping[str, str] | None = None) -> TenantTa
             raise ConfigError(
                 f"{where}: tenant {name!r}: salt_policy must be one of {', '.join(POLICIES)}"
             )
+        fields = _names(spec.get("allow_fields"), f"tenant {name!r}: allow_fields", where)
+        unknown = sorted(set(fields) - set(ENGINE_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"{where}: tenant {name!r}: allow_fields takes {', '.join(ENGINE_FIELDS)}; "
+                f"not {', '.join(unknown)}"
+            )
+        models = spec.get("models")
         table.tenants[str(name)] = TenantPolicy(
             str(name),
             policy,
             tuple(_names(spec.get("public_prefixes"), "public_prefixes", where)),
             parse_flow(spec, f"{where}: tenant {name!r}"),
+            frozenset(fields),
+            None
+            if models is None
+            else frozenset(_names(models, f"tenant {name!r}: models", where)),
         )
         for key in _names(spec.get("keys"), f"tenant {name!r}: keys", where):
             _refuse_placeholder(key, f"tenant {name!r}'s API key", where, "give it a real key")
@@ -399,6 +423,34 @@ class Tenancy:
 
     def policy_of(self, tenant: str) -> TenantPolicy:
         return self.table.tenants.get(tenant) or TenantPolicy(tenant, self.default_policy)
+
+    # -- what a tenant may ask for (auth on; with auth off the tenant is the client's word and
+    # the operator owns the fleet: engine fields pass through, every model is open) ---------
+    def check_fields(self, tenant: str, body: Mapping[str, Any]) -> None:
+        """A 400 naming the first engine-control field ``body`` carries that the tenant's
+        entry does not allow (``allow_fields``)."""
+        if not self.config.auth.enabled:
+            return
+        allowed = self.policy_of(tenant).allow_fields
+        for name in ENGINE_FIELDS:
+            if name in body and name not in allowed:
+                raise bad_request(
+                    f"`{name}` steers the engine and is set by the gateway; this API key may "
+                    "not send it",
+                    name,
+                )
+
+    def may_use(self, tenant: str, *names: str | None) -> bool:
+        """Whether any of ``names`` (a model or adapter, the client's name or what it is an
+        alias of) is on the tenant's ``models`` allow-list (no list: every model)."""
+        if not self.config.auth.enabled:
+            return True
+        allowed = self.policy_of(tenant).models
+        return allowed is None or any(n in allowed for n in names if n)
+
+    def band_priority(self, tenant: str) -> int:
+        """vLLM's ``priority`` for the tenant's flow-control band (lower runs first)."""
+        return BAND_PRIORITY[self.policy_of(tenant).flow.band]
 
     # -- salt -----------------------------------------------------------------------------
     def current_secret(self, now: float | None = None) -> SaltSecret | None:

@@ -97,6 +97,10 @@ async def forward_post(
     tenant = handlers.identify(request)
     raw, content_type = await _read(handlers, request, tenant)
     model, body = await _model_of(handlers, raw, content_type.lower())
+    # The tenant's allow-lists (router/tenancy.py), as for generation requests.
+    if body is not None:
+        handlers.path.tenancy.check_fields(tenant, body)
+    handlers.path.check_model(tenant, model)
     if model is not None and gateway.models.alias(model) != model:
         # An alias (router/models/): the replicas know the served name only.
         model = gateway.models.alias(model)

@@ -428,6 +428,12 @@ class Flow:
         "work (tokens per unit weight) a tenant that used less than its share may send ahead "
         "of busier tenants when it queues again, so its bursts do not wait behind a flood",
     )
+    flow_band_priority: bool = _opt(
+        False,
+        "set each request's vLLM priority from its tenant's band (critical -1, standard 0, "
+        "sheddable 1): only for replicas started with --scheduling-policy priority, which "
+        "refuse a non-zero priority otherwise",
+    )
 
 
 @dataclass
