@@ -100,3 +100,30 @@ async def test_a_refused_adapter_load_is_a_404_and_never_ejects_the_replica(
     assert all(not r.ejected and r.healthy for r in fleet_state.replicas.values())
     assert "prefix_router_replica_ejections_total{" not in metrics
     assert 'outcome="refused"} 2.0' in metrics
+
+
+async def test_a_request_for_an_adapter_not_loaded_yet_waits_in_the_queue(
+    fleet: Any, gateway: Any
+) -> None:
+    """The fleet's one prefill slot is held; a request for an adapter no replica has loaded
+    (runtime loading on) waits in the base model's queue, and is loaded and served once the
+    slot frees. Before, no replica served the adapter's name, flow control saw no replica for
+    it and let it through at once: it loaded the adapter on the saturated replica."""
+    (replica,) = await fleet(1, allow_runtime_lora=True)
+    gw = await gateway(
+        [replica.url],
+        flow_control=True,
+        tenant_header="X-Tenant",
+        models={MODEL: {"adapters": {"late-lora": "/adapters/late-lora"}}},
+        lora_runtime_loading=True,
+    )
+    async with aiohttp.ClientSession() as http:
+        setup = Setup(replica, gw, http)
+        await setup.hold()
+        task = await setup.enqueue("late", "t", 0, model="late-lora")
+        assert setup.queued == 1
+        assert replica.stats.get("adapter_load_calls", 0) == 0
+        await setup.release()
+        status, _, body = await task
+    assert status == 200, body
+    assert replica.stats["adapter_load_calls"] == 1
