@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,6 +32,7 @@ from router.flow.sessions import ResponseChains
 from router.flow.shared import UsageShare
 from router.forward import header_allow_list
 from router.forwarding import Forwarder
+from router.held import HELD_FACTOR, HeldBytes
 from router.index import PrefixIndex
 from router.json_check import JsonCheck
 from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
@@ -132,6 +134,17 @@ class Gateway:
                 config.limits.client_share,
                 config.limits.max_body_bytes,
             ),
+        )
+        # Bodies held once they arrived (queued, forwarded), with each client's share
+        # (router/held.py): what a waiting request holds is bounded, not only its arrival.
+        self.held = HeldBytes(
+            config.limits.max_held_body_bytes,
+            share_of(
+                config.limits.max_held_body_bytes,
+                config.limits.client_share,
+                math.ceil(HELD_FACTOR * config.limits.max_body_bytes),
+            ),
+            lambda reason: self.metrics.rejected.labels(reason).inc(),
         )
         # Costly JSON bodies are parsed and held to the limits in a child process first, with
         # each client's share of the bytes waiting for it (router/json_check.py).

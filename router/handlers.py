@@ -19,11 +19,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.body import content_coding
 from router.budget import peer_key
+from router.costs import prompt_floor
 from router.errors import APIError
 from router.forward import request_headers
 from router.forwarding import ModelJob
 from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
+from router.held import Hold, waiting
 from router.limits import check_body
+from router.models.fallback import CHARS_PER_TOKEN
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
 from router.routed import RoutedJob
@@ -150,17 +153,28 @@ class Handlers:
             close_connection=True,
         )
 
+    def hold(self, request: web.Request, tenant: str | None, raw: bytes) -> Hold:
+        """The decoded body ``raw`` charged to its client's share of the held-bytes budget
+        until the request ends (router/held.py): a 429/503 when it does not fit."""
+        return self.gw.held.hold(self.client_of(request, tenant), len(raw))
+
     async def route(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         request_id = request[REQUEST_ID]
         tenant = self.identify(request)  # before reading a byte of the body
         raw = await self.read_body(request, tenant=tenant)
+        large = len(raw) > LARGE_BODY_BYTES
         try:
-            rr = await self.path.prepare(
-                raw, request.headers, endpoint, request_id, tenant, lazy=True, limited=True
-            )
-            return await self.route_prepared(request, rr)
+            with self.hold(request, tenant, raw):
+                rr = await self.path.prepare(
+                    raw, request.headers, endpoint, request_id, tenant, lazy=True, limited=True
+                )
+                # What waits is one copy of its body, the bytes it forwards (nothing here
+                # may keep the client's bytes or the parsed body alive).
+                del raw
+                rr = waiting(rr)
+                return await self.route_prepared(request, rr)
         finally:
-            if len(raw) > LARGE_BODY_BYTES:
+            if large:
                 self.gw.spawn(self._trim_heap())
 
     async def _trim_heap(self) -> None:
@@ -216,7 +230,15 @@ class Handlers:
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/tokenize and /detokenize: forwarded to the least-loaded healthy replica."""
         tenant = self.identify(request)
+        # Over its rpm: refused before a byte of its body is read.
+        self.path.flow.precheck(tenant, self.gw.tenancy.policy_of(tenant).flow)
         raw = await self.read_body(request, tenant=tenant)
+        with self.hold(request, tenant, raw):
+            return await self._passthrough(request, tenant, raw)
+
+    async def _passthrough(
+        self, request: web.Request, tenant: str, raw: bytes
+    ) -> web.StreamResponse:
         # The same bounded shapes as generation bodies: the replica renders and tokenizes
         # these messages too (deep nesting, lone surrogates, 100k messages are a 400 here).
         parsed = parse_json_object(raw)
@@ -226,6 +248,8 @@ class Handlers:
         if isinstance(model, str) and self.gw.models.alias(model) != model:
             model = self.gw.models.alias(model)  # the replicas know the served name only
             raw = json.dumps({**parsed, "model": model}).encode()
+        # Rate limits only (tokenizing takes no prefill slot); tpm on an estimate.
+        await self.path.admit_forwarded(tenant, None, prompt_floor(parsed, CHARS_PER_TOKEN), False)
         job = ModelJob(
             request.path,
             raw,

@@ -422,8 +422,8 @@ class Metrics:
         self.rejected = Counter(
             "prefix_router_rejected_requests",
             "Requests refused before routing to protect the gateway, by reason "
-            "(body_timeout, inflight_bytes, client_inflight_bytes, json_check, connections, "
-            "peer_connections, header_timeout)",
+            "(body_timeout, inflight_bytes, client_inflight_bytes, held_bytes, "
+            "client_held_bytes, json_check, connections, peer_connections, header_timeout)",
             ["reason"],
             registry=r,
         )

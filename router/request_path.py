@@ -481,6 +481,28 @@ class RequestPath:
         429 ``APIError``."""
         return await self.flow.admit(self.flow_request(rr, headers), lambda: self.uncached(rr))
 
+    async def admit_forwarded(
+        self, tenant: str, model: str | None, prompt_tokens: int, queued: bool
+    ) -> Ticket:
+        """Flow control's ticket for a forwarded request (router/api/forwarded.py): its
+        tenant's rpm, and tpm on ``prompt_tokens`` (an estimate: nothing renders it here);
+        with ``queued`` and a model, a prefill slot of that model as a generation request
+        takes, waiting in its tenant's flow while the model's replicas are saturated."""
+        req = FlowRequest(
+            model=model or "",
+            tenant=tenant,
+            session="",
+            settings=self.tenancy.policy_of(tenant).flow,
+            prompt_tokens=prompt_tokens,
+            max_tokens=0,  # pooling, scoring, tokenizing: no output tokens
+            stream=False,
+        )
+
+        async def estimate() -> Estimate:
+            return prompt_tokens, (), None
+
+        return await self.flow.admit(req, estimate, queued=queued and model is not None)
+
     async def uncached(self, rr: RoutedRequest) -> Estimate:
         """Prompt tokens the best-placed replica would prefill, and the replicas holding that
         much: the scheduler's prefix match (the index lookup a decision makes), without a

@@ -1,6 +1,12 @@
 """vLLM endpoints the gateway forwards without routing on a prompt: to the least-loaded
 healthy replica serving the body's model, with auth, a request id, and retries on another
-replica before the first byte. JSON bodies, and multipart ones (audio uploads) as sent."""
+replica before the first byte. JSON bodies, and multipart ones (audio uploads) as sent.
+
+Each counts against its tenant's rate limits as a generation request does: rpm before its
+body is read, tpm on an estimate of its input (its text over ``CHARS_PER_TOKEN``, token ids
+one each: router/costs.py; nothing renders it here). Those that run the model on a prompt
+(``QUEUED_PATHS``: pooling, scoring, reranking) also take a prefill slot of the body's model
+from flow control, waiting in their tenant's flow while its replicas are saturated."""
 
 from __future__ import annotations
 
@@ -9,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router import costs
 from router.body import decode_body
 from router.errors import APIError, bad_request
 from router.fleet import Fleet
+from router.flow.ticket import Ticket
 from router.forwarding import Attempt, Job, least_loaded
+from router.models.fallback import CHARS_PER_TOKEN
 from router.parse import forwarded_bytes
 
 if TYPE_CHECKING:
@@ -35,6 +44,10 @@ POST_PATHS = (
     "/v1/completions/render",
 )
 GET_PATHS = ("/version",)
+# The ones that run the model on their input: a prefill slot from flow control.
+QUEUED_PATHS = frozenset(
+    p for p in POST_PATHS if not p.startswith("/v1/audio/") and not p.endswith("/render")
+)
 MULTIPART = "multipart/form-data"
 
 
@@ -77,17 +90,36 @@ class _Forwarded(Job):
     healthy one for an upload, which names none)."""
 
     def __init__(
-        self, handlers: Handlers, path: str, raw: bytes, headers: Any, model: str | None
+        self,
+        handlers: Handlers,
+        path: str,
+        raw: bytes,
+        headers: Any,
+        model: str | None,
+        ticket: Ticket,
     ) -> None:
         super().__init__(path, raw, headers)
         self.handlers = handlers
         self.model = model
+        self.ticket = ticket
 
     async def pick(self, fleet: Fleet, tried: frozenset[str]) -> Attempt | None:
         if self.model is None:
             return await super().pick(fleet, tried)
-        replica = least_loaded(self.handlers.path.serving(self.model, tried))
+        serving = self.handlers.path.serving(self.model, tried)
+        # Where flow control reserved its slot, if that replica can take it.
+        slot = next((r for r in serving if r.url == self.ticket.replica), None)
+        replica = slot or least_loaded(serving)
         return Attempt(replica) if replica is not None else None
+
+    def extra_headers(self, attempt: Attempt) -> dict[str, str]:
+        return dict(self.ticket.headers)  # the tenant's rate-limit headers
+
+
+def input_tokens(body: Any) -> int:
+    """A forwarded body's input, estimated: its text at ``CHARS_PER_TOKEN``, token ids one
+    each (an upload: 0, its audio is not counted)."""
+    return costs.prompt_floor(body, CHARS_PER_TOKEN) if isinstance(body, dict) else 0
 
 
 async def forward_post(
@@ -95,21 +127,31 @@ async def forward_post(
 ) -> web.StreamResponse:
     gateway = handlers.gw
     tenant = handlers.identify(request)
+    # Over its rpm: refused before a byte of its body is read.
+    handlers.path.flow.precheck(tenant, gateway.tenancy.policy_of(tenant).flow)
     raw, content_type = await _read(handlers, request, tenant)
-    model, body = await _model_of(handlers, raw, content_type.lower())
-    # The tenant's allow-lists (router/tenancy.py), as for generation requests.
-    if body is not None:
-        handlers.path.tenancy.check_fields(tenant, body)
-    handlers.path.check_model(tenant, model)
-    if model is not None and gateway.models.alias(model) != model:
-        # An alias (router/models/): the replicas know the served name only.
-        model = gateway.models.alias(model)
-        served = {**body, "model": model}
-        raw = forwarded_bytes(raw, body, served) or json.dumps(served).encode()
-    headers = handlers.upstream_headers(request)
-    headers["Content-Type"] = content_type
-    job = _Forwarded(handlers, request.path_qs, raw, headers, model)
-    return await gateway.forwarder.forward(request, request_id, job)
+    with handlers.hold(request, tenant, raw):
+        model, body = await _model_of(handlers, raw, content_type.lower())
+        # The tenant's allow-lists (router/tenancy.py), as for generation requests.
+        if body is not None:
+            handlers.path.tenancy.check_fields(tenant, body)
+        handlers.path.check_model(tenant, model)
+        if model is not None and gateway.models.alias(model) != model:
+            # An alias (router/models/): the replicas know the served name only.
+            model = gateway.models.alias(model)
+            served = {**body, "model": model}
+            raw = forwarded_bytes(raw, body, served) or json.dumps(served).encode()
+        tokens = input_tokens(body)
+        del body  # what waits and is forwarded is its bytes, one copy
+        queued = request.path in QUEUED_PATHS
+        ticket = await handlers.path.admit_forwarded(tenant, model, tokens, queued)
+        try:
+            headers = handlers.upstream_headers(request)
+            headers["Content-Type"] = content_type
+            job = _Forwarded(handlers, request.path_qs, raw, headers, model, ticket)
+            return await gateway.forwarder.forward(request, request_id, job)
+        finally:
+            ticket.done()  # its prefill slot back, however it ended
 
 
 async def forward_get(

@@ -23,6 +23,7 @@ from router.api.forwarded import GET_PATHS, POST_PATHS, forward_get, forward_pos
 from router.api.response_ids import ResponseReplicas, new_response_id, response_id_in
 from router.errors import APIError, bad_request, clip
 from router.forwarding import PinnedJob
+from router.held import waiting
 
 if TYPE_CHECKING:
     from router.fleet import Replica
@@ -89,9 +90,17 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         request_id = request[REQUEST_ID]
         tenant = routes.identify(request)
         raw = await routes.read_body(request, tenant=tenant)
-        rr = await routes.path.prepare(
-            raw, request.headers, "responses", request_id, tenant, lazy=True, limited=True
-        )
+        with routes.hold(request, tenant, raw):
+            rr = await routes.path.prepare(
+                raw, request.headers, "responses", request_id, tenant, lazy=True, limited=True
+            )
+            del raw  # what waits is one copy of its body, the bytes it forwards
+            rr = waiting(await stored_ids(rr, tenant))
+            return await routes.route_prepared(request, rr)
+
+    async def stored_ids(rr: RoutedRequest, tenant: str) -> RoutedRequest:
+        """``rr`` pinned to the replica holding its ``previous_response_id``, and with auth
+        on, the id of the response it stores ours."""
         previous = rr.body.get("previous_response_id")
         if previous is not None:
             if not isinstance(previous, str):
@@ -106,7 +115,7 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         if ids.enforce and rr.body.get("store") is not False:
             rr.body["request_id"] = new_response_id()  # the response's id: ours, not the client's
             rr = dataclasses.replace(rr, raw=None)  # the body changed: forwarded re-encoded
-        return await routes.route_prepared(request, rr)
+        return rr
 
     async def stored(request: web.Request) -> web.StreamResponse:
         """``GET``/``DELETE /v1/responses/{id}`` and ``POST .../cancel``: to the replica

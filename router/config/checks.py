@@ -25,6 +25,7 @@ def problems(config: Config) -> list[str]:
         )
     if config.routing.block_size is not None and config.routing.block_size <= 0:
         problems.append(f"block_size must be positive, got {config.routing.block_size}")
+    from router.held import HELD_FACTOR
     from router.models.spec import ModelSpecError, alias_map, parse_models
 
     try:
@@ -33,6 +34,12 @@ def problems(config: Config) -> list[str]:
         problems.append(str(e))
     if config.limits.body_timeout_s <= 0:
         problems.append(f"body_timeout_s must be positive, got {config.limits.body_timeout_s}")
+    if config.limits.max_held_body_bytes < HELD_FACTOR * config.limits.max_body_bytes:
+        problems.append(
+            f"max_held_body_bytes ({config.limits.max_held_body_bytes}) must be at least "
+            f"{HELD_FACTOR:g} x max_body_bytes ({config.limits.max_body_bytes}): a body is "
+            "charged that much while it is held"
+        )
     if config.limits.max_inflight_body_bytes < config.limits.max_body_bytes:
         problems.append(
             f"max_inflight_body_bytes ({config.limits.max_inflight_body_bytes}) must be at least "

@@ -199,8 +199,14 @@ class Limits:
     )
     client_share: float = _opt(
         0.25,
-        "the fraction of max_inflight_body_bytes and of max_connections one client may hold "
-        "(a tenant with auth on, else a peer address; 1: no per-client bound)",
+        "the fraction of max_inflight_body_bytes, max_held_body_bytes and max_connections one "
+        "client may hold (a tenant with auth on, else a peer address; 1: no per-client bound)",
+    )
+    max_held_body_bytes: int = _opt(
+        1024 * 1024 * 1024,
+        "request bodies the gateway may hold at once once they arrived (queued, or being "
+        "forwarded), each charged twice its decoded size; beyond a client's client_share of "
+        "it a 429, beyond it all a 503",
     )
     max_prompt_chars: int = _opt(4_000_000, "largest rendered prompt, in characters")
     max_tokenize_cpu_s: float = _opt(

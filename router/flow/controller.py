@@ -224,9 +224,11 @@ class FlowController:
         self,
         req: FlowRequest,
         estimate: Callable[[], Awaitable[Estimate]],
+        queued: bool = True,
     ) -> Ticket:
         """A ticket once the request may go to the scheduler; a 429 ``APIError`` when it is
-        shed. Cancelled (the client left) while waiting: out of the queue, nothing held."""
+        shed. Cancelled (the client left) while waiting: out of the queue, nothing held.
+        ``queued=False``: rate limits only (a request that takes no prefill slot)."""
         s = req.settings
         now = self.clock()
         ticket = Ticket(self, req.model, req.tenant, s.band, s.weight, req.session)
@@ -238,7 +240,7 @@ class FlowController:
         wait, which, ticket.headers = self.limits.check(req.tenant, s.rpm, s.tpm, tokens, now)
         if which is not None:
             raise self._rate_refusal(req.tenant, which, wait, ticket.headers)
-        if not self.config.enabled:
+        if not self.config.enabled or not queued:
             ticket.controller = None  # rate limits only: nothing held, nothing charged
             return ticket
         self._tenants[req.tenant] = (s.band, s.weight)
