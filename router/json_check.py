@@ -30,6 +30,7 @@ from router.limits import BodyLimits, check_body
 from router.parse import parse_json_object
 
 _Refusal = tuple[int, str, "str | None", "str | None"]
+INFLATE_INLINE = 256 * 1024  # bodies inflating past this are inflated in a worker thread
 SPOOL_BYTES = 1024 * 1024  # larger bodies reach the child through a file, not the pipe
 _SPOOL_DIR = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
@@ -66,6 +67,21 @@ def _spool(data: bytes) -> str:
     return path
 
 
+async def _inflate(coding: str, raw: bytes, limit: int) -> bytes:
+    """``raw`` inflated within ``limit``: in place up to ``INFLATE_INLINE`` bytes of output,
+    in a worker thread past that (zlib releases the GIL), whatever its compressed size: a
+    24 KB gzip body inflating to 2 MiB held the loop 2-4 ms in place, and a tenant's flood
+    of them added up."""
+    if limit <= INFLATE_INLINE:
+        return await decode_body(coding, raw, limit)
+    try:
+        return await decode_body(coding, raw, INFLATE_INLINE)
+    except APIError as e:
+        if e.status != 413:
+            raise
+    return await asyncio.to_thread(decode, coding, raw, limit)
+
+
 class JsonCheck:
     """The child process (started at the first costly body) and the per-client bound on
     the bytes waiting for it."""
@@ -92,14 +108,16 @@ class JsonCheck:
             return raw
         head = min(max_bytes, INLINE_BYTES)
         try:
-            body = await decode_body(coding, raw, head)
+            body = await _inflate(coding, raw, head)
         except APIError as e:
             if e.status != 413 or head == max_bytes:
                 raise
             # More than INLINE_BYTES once inflated: the child inflates and checks it, charged
             # as the most it may inflate to, then it is inflated here only if it passed.
             await self._check(raw, coding, client, max_bytes, max_bytes)
-            return await decode_body(coding, raw, max_bytes)
+            # Off the loop whatever its compressed size: it inflates past INLINE_BYTES (24 KB
+            # of gzip inflating to 24 MB held the loop ~40 ms when decoded in place).
+            return await asyncio.to_thread(decode, coding, raw, max_bytes)
         if may_be_costly(body):
             await self._check(body, "", client, max_bytes, len(body))
         return body
