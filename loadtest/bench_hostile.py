@@ -12,7 +12,8 @@ connect from 127.0.0.2: another peer. One replica's KV events come from a hostil
 (a process of its own, silent but for the ``kv_*`` mixes: junk live messages, replays of
 junk, a 40 MB message, a 15 MB batch of 1.4M events, batches of 65,536 junk events). Printed:
 per mix, the probes' p50 and worst latency, the worst minus the baseline's worst (target:
-within 50 ms), how many of B's requests were served, and the hostile requests' answers.
+within 50 ms), how many of B's requests were served, the gateway process's peak RSS (sampled
+every 20 ms through the mix) and the hostile requests' answers.
 
 Mixes are a list of named coroutines (``MIXES``): a new one is one function and one line
 there. Not a test: it prints figures.
@@ -341,6 +342,47 @@ async def random_model_names(ctx: Ctx) -> None:
     await _repeat(ctx, 4, send)
 
 
+HELD_PAD = 8_000_000  # each of held_bodies' three extra fields (max_string_chars is 8 MiB)
+
+
+async def held_bodies(ctx: Ctx) -> None:
+    """Tenant A, 8 senders: chat requests of a 3-word prompt with 24 MB of extra fields,
+    gzipped to ~24 KB, max_tokens 4000, filling the prefill slots so that they queue (issue
+    39, item 1). Each held request is charged twice its decoded size against A's share of
+    the held-bytes budget (256 MiB of 1 GiB by default): a few are held, the rest refused
+    (429 held_bytes_exceeded) before they are parsed, and the gateway's RSS stays bounded."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 4000,  # 2 s of the simulator's decode: the slots stay full, A queues
+        "messages": [{"role": "user", "content": "three word prompt"}],
+        **{f"metadata_{i}": "x" * HELD_PAD for i in range(3)},
+    }
+    data = await asyncio.to_thread(gzip.compress, json.dumps(body).encode(), 6)
+    headers = {**bearer("a"), "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    await _repeat(
+        ctx, 8, lambda s: _post_status(s, ctx.url + "/v1/chat/completions", data, headers)
+    )
+
+
+async def batch_flood(ctx: Ctx) -> None:
+    """Tenant A, 8 senders: completions batches of "hi" and eight new ~1,900-token prompts
+    (max_tokens 16), issue 39 item 2: priced by all nine prompts (tpm, fair-queue cost,
+    slot timer), not by "hi", so B's requests get their fair turn."""
+    headers = {**bearer("a"), "Content-Type": "application/json"}
+    turn = 0
+
+    async def send(s: aiohttp.ClientSession) -> str:
+        nonlocal turn
+        turn += 1
+        prompts = [" ".join(f"w{turn}p{p}x{i}" for i in range(630)) for p in range(8)]
+        body = {"model": MODEL, "max_tokens": 16, "prompt": ["hi", *prompts]}
+        return await _post_status(
+            s, ctx.url + "/v1/completions", json.dumps(body).encode(), headers
+        )
+
+    await _repeat(ctx, 8, send)
+
+
 # -- a hostile KV event publisher (the gateway runs in precise mode: one replica's events
 # come from it) ---------------------------------------------------------------------------
 KV_MESSAGES = 20_000  # junk messages per live or replay attack
@@ -447,6 +489,8 @@ MIXES: list[tuple[str, Mix]] = [
     ("kv_65k_events", kv_65k_events),
     ("adapter_flood", adapter_flood),
     ("random_model_names", random_model_names),
+    ("held_bodies", held_bodies),
+    ("batch_flood", batch_flood),
 ]
 
 
@@ -507,8 +551,24 @@ def _hostile_main(name: str, url: str, seconds: float, conn: Any, kv: Any) -> No
     conn.send(asyncio.run(run()))
 
 
-async def run_mix(url: str, name: str, seconds: float, kv: Any = None) -> dict[str, Any]:
+async def peak_rss(rss: Callable[[], float], stop: asyncio.Event, peak: list[float]) -> None:
+    """The gateway process's highest RSS (MB), sampled every 20 ms until ``stop``."""
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss())
+        await asyncio.sleep(0.02)
+
+
+async def run_mix(
+    url: str,
+    name: str,
+    seconds: float,
+    kv: Any = None,
+    rss: Callable[[], float] = lambda: float("nan"),
+) -> dict[str, Any]:
     parent, child = multiprocessing.get_context("spawn").Pipe()
+    peak = [rss()]
+    sampling_stop = asyncio.Event()
+    sampling = asyncio.ensure_future(peak_rss(rss, sampling_stop, peak))
     build_up = min(1.0, seconds / 5)  # the hostile load builds up before measuring
     proc = multiprocessing.get_context("spawn").Process(
         target=_hostile_main, args=(name, url, build_up + seconds, child, kv), daemon=True
@@ -530,10 +590,13 @@ async def run_mix(url: str, name: str, seconds: float, kv: Any = None) -> dict[s
             await asyncio.to_thread(parent.recv) if await asyncio.to_thread(parent.poll, 60) else {}
         )
     finally:
+        sampling_stop.set()
+        await sampling
         await asyncio.to_thread(proc.join, 10)
         if proc.is_alive():
             proc.kill()
     return {
+        "peak_rss_mb": peak[0],
         "mix": name,
         "probes": len(lags),
         "p50_ms": statistics.median(lags) * 1e3 if lags else float("nan"),
@@ -550,6 +613,7 @@ async def run_mix(url: str, name: str, seconds: float, kv: Any = None) -> dict[s
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["worst_ms"]
+    base_rss = rows[0]["peak_rss_mb"]
     cells = []
     for r in rows:
         delta = r["worst_ms"] - base
@@ -563,12 +627,13 @@ def table(rows: list[dict]) -> str:
                 f"{r['worst_ms']:.1f}",
                 f"{delta:+.1f}{'' if delta <= 50 else ' (over 50)'}",
                 f"{r['b_ok']}/{r['b_sent']}{b_other}",
+                f"{r['peak_rss_mb']:.0f} ({r['peak_rss_mb'] - base_rss:+.0f})",
                 r["hostile"] or "-",
             )
         )
     return benchkit.markdown(
         "mix | /health probes | p50 ms | p99 ms | worst ms | worst - baseline worst | "
-        "B served | hostile answers",
+        "B served | gateway peak RSS MB (vs baseline) | hostile answers",
         cells,
     )
 
@@ -622,7 +687,7 @@ async def amain(args: argparse.Namespace) -> list[dict]:
             await wait_ready(gw.url, proc=gw)
             await run_mix(gw.url, "baseline", 1.0)  # a warm-up: first requests' one-off costs
             for name in names:
-                row = await run_mix(gw.url, name, args.seconds, kv)
+                row = await run_mix(gw.url, name, args.seconds, kv, gw.rss_mb)
                 rows.append(row)
                 benchkit.progress(
                     f"{name}: /health p50 {row['p50_ms']:.1f} ms, worst {row['worst_ms']:.1f} "
