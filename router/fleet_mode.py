@@ -22,18 +22,19 @@ from redis.asyncio import ConnectionPool
 from router.config import Config
 from router.fleet import Fleet
 from router.index import MemoryIndex, PrefixIndex
-from router.index.redis import RedisIndex, make_client
+from router.index.redis import RedisIndex
 from router.index.resilient import ResilientIndex
 from router.metrics import Metrics
-from router.shared_state import FleetSync, new_gateway_id
+from router.redis_client import aclose, fresh_pool, make_client, parse_redis_url
+from router.shared_state import FLEET_SCOPE, FleetSync, new_gateway_id
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router")
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
-# The tag of what gateways share about the whole fleet, and of a replica's index keys while
-# its model is not known (it takes no request meanwhile).
-FLEET_SCOPE = "fleet"
+# The tag of a replica's index keys while its model is not known (it takes no request
+# meanwhile); what gateways share about the whole fleet is under FLEET_SCOPE's tag.
 UNKNOWN_MODEL = "unknown-model"
 
 # A replaced connection pool is closed this long after: longer than any call's timeout.
@@ -58,11 +59,15 @@ class FleetMode:
         self.metrics = metrics
         self._spawn = spawn
         self._on_change = on_change
+        self.target = parse_redis_url(config.fleet.redis_url)  # one server, cluster, sentinel
         self.redis = make_client(config.fleet.redis_url)
         self.index: ResilientIndex | None = None
         self.sync: FleetSync | None = None
         self._sync_was_up = True
         self._retired: list[ConnectionPool] = []  # pools replaced after an outage, closing
+        # Their timers: our own, not the gateway's background tasks, which a shutdown waits
+        # for (it would wait out RETIRE_POOL_AFTER_S after any outage).
+        self._retiring: set[asyncio.Task[None]] = set()
 
     async def start(self) -> PrefixIndex:
         config = self.config
@@ -100,9 +105,10 @@ class FleetMode:
             await self.sync.stop()
 
     async def close(self) -> None:
+        await cancel_and_wait(*self._retiring)
         for pool in list(self._retired):
             await self._close_pool(pool)
-        await self.redis.aclose()
+        await aclose(self.redis)
 
     @property
     def members(self) -> set[str] | None:
@@ -135,15 +141,15 @@ class FleetMode:
         a circuit for another probe interval (a restart flapped for seconds). Disconnecting
         the pooled connections in place raced with calls taking them, and cut those calls;
         a new pool cannot: calls already on the old one finish there, and it is closed once
-        they have had their timeout."""
-        old = self.redis.connection_pool
-        self.redis.connection_pool = type(old)(
-            connection_class=old.connection_class,
-            max_connections=old.max_connections,
-            **old.connection_kwargs,
-        )
+        they have had their timeout. (A cluster client reconnects a node's connections after
+        an error itself: nothing to replace.)"""
+        old = fresh_pool(self.redis)
+        if old is None:
+            return
         self._retired.append(old)
-        self._spawn(self._retire(old))
+        task = asyncio.get_running_loop().create_task(self._retire(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, pool: ConnectionPool) -> None:
         await asyncio.sleep(RETIRE_POOL_AFTER_S)  # a timer: its calls are over by then

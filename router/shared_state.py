@@ -22,7 +22,8 @@ every gateway builds its consistent-hash ring from the same set). Keys::
 All keys carry the ``{<scope>}`` hash tag (one Redis Cluster slot). A gateway's load and
 health cover every model's replicas, so fleet mode uses one scope for the whole fleet
 (``fleet``), not a model: gateways that saw different models first still share it.
-Entries are read with ``MGET`` of the ids found in the set on the *previous* tick, so a new
+Entries are read with ``MGET`` (one ``GET`` each on a Redis Cluster, whose pipelines refuse
+multi-key commands) of the ids found in the set on the *previous* tick, so a new
 gateway is seen within two ticks; load values themselves are always as of this tick.
 
 When Redis is unreachable ticks fail quietly (logged once on the transition, once on
@@ -42,14 +43,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import RedisCluster
 
 from router.index.redis import DEFAULT_NAMESPACE, key_prefix
+from router.redis_client import Client, error_text
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.5
+# The hash tag of what gateways share about the whole fleet (one Redis Cluster slot).
+FLEET_SCOPE = "fleet"
 
 Load = dict[str, tuple[int, int]]  # replica -> (in-flight requests, queued prefill tokens)
 
@@ -64,7 +68,7 @@ class FleetSync:
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         model: str,
         gateway_id: str,
         get_local_load: Callable[[], Load],
@@ -82,6 +86,7 @@ class FleetSync:
         if not gateway_id:
             raise ValueError("gateway_id must be non-empty")
         self.client = client
+        self.cluster = isinstance(client, RedisCluster)
         self.model = model
         self.gateway_id = gateway_id
         self.get_local_load = get_local_load
@@ -192,11 +197,15 @@ class FleetSync:
         if dead:
             pipe.srem(self.registry_key, *dead)
         pipe.smembers(self.registry_key)
-        if known:
+        if self.cluster:  # a cluster pipeline refuses multi-key commands, even in one slot
+            for g in known:
+                pipe.get(self.gateway_key(g))
+        elif known:
             pipe.mget([self.gateway_key(g) for g in known])
         res = await pipe.execute()
-        registry = res[4 if dead else 3]
-        values = res[-1] if known else []
+        at = 4 if dead else 3
+        registry = res[at]
+        values = res[at + 1 :] if self.cluster or not known else res[-1]
         return known, registry, values
 
     async def tick(self) -> bool:
@@ -211,9 +220,9 @@ class FleetSync:
             self.errors += 1
             if self.redis_up is not False:
                 log.warning(
-                    "fleet sync: Redis unreachable (%r); keeping the last fleet view "
+                    "fleet sync: Redis unreachable (%s); keeping the last fleet view "
                     "for %.1fs, then routing on local load and health",
-                    exc,
+                    error_text(exc),
                     self.max_staleness_s,
                 )
             self.redis_up = False

@@ -65,7 +65,9 @@ def _fleet_mode(gw: Gateway) -> str:
         return "off (this gateway's own prefix map; --redis-url shares it)"
     index = gw.fleet_mode.index if gw.fleet_mode is not None else None
     state = "Redis up" if index is not None and index.redis_up else "Redis DOWN (routing locally)"
-    return f"on, {mask_url_credentials(config.fleet.redis_url)}, prefix {config.fleet.redis_prefix!r}: {state}"
+    kind = gw.fleet_mode.target.describe() if gw.fleet_mode is not None else "Redis"
+    url = mask_url_credentials(config.fleet.redis_url)
+    return f"on, {url} ({kind}), prefix {config.fleet.redis_prefix!r}: {state}"
 
 
 def _kv_events(gw: Gateway) -> str:

@@ -63,6 +63,7 @@ class RedisServer:
         port: int | None = None,
         start_timeout: float = 10.0,
         extra_args: tuple[str, ...] = (),
+        config_file: str | None = None,
     ) -> None:
         found = binary or find_redis_server()
         if not found:
@@ -71,6 +72,7 @@ class RedisServer:
         self.port = port or _free_port()
         self.start_timeout = start_timeout
         self.extra_args = extra_args
+        self.config_file = config_file  # first argument (a sentinel needs a writable one)
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="prefix-router-redis-")
 
@@ -89,6 +91,7 @@ class RedisServer:
             self.proc = subprocess.Popen(
                 [
                     self.binary,
+                    *([self.config_file] if self.config_file else []),
                     "--port",
                     str(self.port),
                     "--bind",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING
 
-from router.config.errors import mask_url_credentials
+from router.redis_client import parse_redis_url
 from router.schedule import ScheduleError, check_config
 
 if TYPE_CHECKING:
@@ -133,13 +133,11 @@ def problems(config: Config) -> list[str]:
                 f"replica URL {url!r} ends in /v1: give vLLM's base URL "
                 f"({url.rstrip('/').removesuffix('/v1')}); the gateway adds the paths"
             )
-    if config.fleet.redis_url and not config.fleet.redis_url.startswith(
-        ("redis://", "rediss://", "unix://")
-    ):
-        problems.append(
-            f"redis_url must start with redis://, rediss:// or unix://, got "
-            f"{mask_url_credentials(config.fleet.redis_url)!r} (e.g. redis://127.0.0.1:6379/0)"
-        )
+    if config.fleet.redis_url:
+        try:
+            parse_redis_url(config.fleet.redis_url)  # one server, a cluster or a sentinel's
+        except ValueError as exc:
+            problems.append(str(exc))
     if config.flow.flow_prefill_per_replica <= 0 or config.flow.flow_queue_timeout_s <= 0:
         problems.append("flow_prefill_per_replica and flow_queue_timeout_s must be positive")
     if (

@@ -1,9 +1,10 @@
 """Fleet mode: gateways share per-tenant usage through Redis, so a tenant flooding one gateway
 waits its turn on the others too.
 
-Each gateway adds the work it released per tenant to one Redis hash per model, ``{ns}:{<model>}
-:flow:usage`` (field: tenant, value: cumulative tokens), once every ``interval_s``, in one
-pipelined round trip that also reads the hash back: writes are bounded by the tenants that
+Each gateway adds the work it released per tenant to one Redis hash per model, ``{ns}:{fleet}
+:flow:usage:<model>`` (field: tenant, value: cumulative tokens), once every ``interval_s``, in
+one pipelined round trip that also reads the hashes back (all on the fleet's hash tag, so one
+Redis Cluster slot): writes are bounded by the tenants that
 had traffic in the interval, reads by the tenants of the model. The others' share is the
 hash's total minus what this gateway added itself; its growth since the last read is charged
 to the tenant's flow here (``FlowController.charge_remote``). Approximate by design (an
@@ -20,6 +21,7 @@ from typing import Any
 
 from router.flow.controller import FlowController
 from router.index.redis import key_prefix
+from router.shared_state import FLEET_SCOPE
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.flow")
@@ -50,7 +52,7 @@ class UsageShare:
         self._failing = False
 
     def key(self, model: str) -> str:
-        return f"{key_prefix(self.namespace, model)}flow:usage"
+        return f"{key_prefix(self.namespace, FLEET_SCOPE)}flow:usage:{model}"
 
     async def start(self) -> None:
         if self._task is None:

@@ -61,11 +61,9 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from router.index.memory import DEFAULT_CAPACITY_BLOCKS
+from router.redis_client import Client, aclose, make_client
+from router.redis_client import ping as ping_client
 
 DEFAULT_NAMESPACE = "prefix-router"
 DEFAULT_TTL_S = 24 * 3600.0
@@ -284,34 +282,14 @@ def key_prefix(namespace: str, model: str) -> str:
     return f"{namespace}:{{{model_tag(model)}}}:"
 
 
-def make_client(
-    url: str,
-    *,
-    socket_timeout: float = 1.0,
-    connect_timeout: float = 0.5,
-    max_connections: int | None = 64,
-    **kwargs: Any,
-) -> Redis:
-    """A ``redis.asyncio.Redis`` suited to the router: no client-side retries (redis-py's
-    default retries with backoff would hold a request for seconds when Redis is down; the
-    resilient wrapper does the failing over), short socket timeouts, bounded pool."""
-    return Redis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=connect_timeout,
-        retry=Retry(NoBackoff(), 0),
-        max_connections=max_connections,
-        **kwargs,
-    )
-
-
 class RedisIndex:
-    """``PrefixIndex`` over ``redis.asyncio.Redis`` (standalone or hash-tag-compatible
-    Cluster). Every method is one round trip (after the scripts are cached server-side)."""
+    """``PrefixIndex`` over a Redis client (router/redis_client.py: one server, a Cluster or
+    a Sentinel's master). Every call touches one model's keys, so one Cluster slot; every
+    method is one round trip (after the scripts are cached server-side)."""
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         model: str,
         *,
         namespace: str = DEFAULT_NAMESPACE,
@@ -464,8 +442,8 @@ class RedisIndex:
 
     async def ping(self) -> bool:
         """One round trip; raises when Redis is unreachable (used by ``ResilientIndex``)."""
-        return bool(await self.client.ping())
+        return await ping_client(self.client)
 
     async def close(self) -> None:
         if self.owns_client:
-            await self.client.aclose()
+            await aclose(self.client)

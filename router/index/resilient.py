@@ -45,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
+from router.redis_client import error_text
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class ResilientIndex:
         try:
             await asyncio.wait_for(self._probe_once(), self.probe_timeout_s)
         except Exception as exc:
-            self._trip(f"not reachable at startup: {exc!r}")
+            self._trip(f"not reachable at startup: {error_text(exc)}")
         return self.redis_up
 
     # state -------------------------------------------------------------------------------
@@ -250,7 +251,7 @@ class ResilientIndex:
         if exc is not None:
             self.errors += 1
             if is_outage(exc) and not self._closed:
-                self._trip(f"late reply failed: {exc!r}")
+                self._trip(f"late reply failed: {error_text(exc)}")
 
     async def _primary(self, make: Callable[[], Awaitable[T]], timeout: float) -> T:
         """Run a primary call with ``timeout``; raise TimeoutError (call left running) or the
@@ -286,7 +287,7 @@ class ResilientIndex:
             self.write_failures += 1
             self.errors += 1
             if is_outage(exc):
-                self._trip(f"{what} failed: {exc!r}")
+                self._trip(f"{what} failed: {error_text(exc)}")
             else:
                 log.debug("%s %s failed: %r", self.name, what, exc)
         return False
@@ -306,9 +307,9 @@ class ResilientIndex:
             except Exception as exc:
                 self.errors += 1
                 if is_outage(exc):
-                    self._trip(f"match failed: {exc!r}")
+                    self._trip(f"match failed: {error_text(exc)}")
                 elif self._note(failed=True):
-                    self._trip(f"{self._failing()}; last: {exc!r}")
+                    self._trip(f"{self._failing()}; last: {error_text(exc)}")
             else:
                 self._note(failed=False)
                 return out

@@ -4,7 +4,7 @@ Every gateway subscribes to every replica's events and keeps its own exact view 
 fallback index, the vLLM -> gateway hash map); only one, the stream's *owner*, writes them to
 Redis. Without this N gateways multiply every event's writes by N.
 
-Ownership is a Redis lease per replica stream, ``{ns}:{<model>}:kvlease:<replica>`` = the
+Ownership is a Redis lease per replica stream, ``{ns}:{fleet}:kvlease:<replica>`` = the
 owner's gateway id, ``SET NX PX ttl``, renewed on every tick (``ttl`` = 5 ticks, at least 2 s). A free lease
 is claimed first by the gateway that rendezvous hashing prefers among the live gateways it
 knows (so streams spread over the gateways), and by any gateway once it has seen the lease
@@ -12,7 +12,7 @@ free for a whole tick (so a stream is never orphaned by gateways that disagree o
 live). A gateway that dies stops renewing: within ``ttl`` another claims the stream. Nothing
 rebalances an owned stream (a gateway that joins later owns only what frees up).
 
-The owner stamps ``{ns}:{<model>}:kvseq:<replica>`` on each tick with ``<seq>:<crc>``: the
+The owner stamps ``{ns}:{fleet}:kvseq:<replica>`` on each tick with ``<seq>:<crc>``: the
 last batch whose writes reached Redis and a checksum of its payload (which carries the
 publisher's timestamp, so a restarted publisher's equal seq does not match). A new owner
 reads the stamp and replays, from its own log of the writes it did not make as a non-owner,
@@ -36,8 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
-
+from router.redis_client import Client
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.kv_events")
@@ -107,7 +106,7 @@ class StreamLeases:
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         prefix: str,
         gateway_id: str,
         peers: Callable[[], Iterable[str]],
