@@ -33,7 +33,7 @@ SENT_IDS_KEPT = 32
 
 
 class UpstreamError(Exception):
-    """The exchange failed: ``why`` names how (connect, closed, timeout, bad response)."""
+    """The round trip failed: ``why`` names how (connect, closed, timeout, bad response)."""
 
     def __init__(self, why: str) -> None:
         super().__init__(why)
@@ -41,7 +41,7 @@ class UpstreamError(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection; one exchange at a time."""
+    """One keep-alive connection; one round trip at a time."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -49,7 +49,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
-        self.sent_ids: deque[str] = deque(maxlen=SENT_IDS_KEPT)  # kept across exchanges
+        self.sent_ids: deque[str] = deque(maxlen=SENT_IDS_KEPT)  # kept across round trips
         self._reset()
 
     def _reset(self) -> None:
