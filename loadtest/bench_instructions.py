@@ -2,9 +2,9 @@
 
     python -m loadtest.bench_instructions [--requests 30] [--baseline REF]
 
-Drives ``prepare -> decide -> record -> learn`` (no HTTP, no sockets: the steps the gateway
-runs for a request between reading its body and writing it out, plus learning from the
-answer) for the fresh-user-turn mix of ``loadtest.bench_overhead --fresh-user-turn``: ~6,100-
+Drives ``prepare -> plan (decide) -> record -> learn`` (no HTTP, no sockets: the steps the
+gateway runs for a request between reading its body and writing it out, plus learning from
+the answer) for the fresh-user-turn mix of ``loadtest.bench_overhead --fresh-user-turn``: ~6,100-
 token chats whose ~3,000-token system prompt repeats and whose user turn is new every time.
 
 It runs itself under valgrind's callgrind, which counts instructions: unlike wall-clock time,
@@ -55,6 +55,7 @@ STEPS: list[tuple[str, str, str]] = [
     ("block hashes", "router.request_path", "RequestPath._hashes"),
     ("decide", "router.gateway", "Gateway.decide"),
     ("decide", "router.request_path", "RequestPath.decide"),
+    ("decide", "router.request_path", "RequestPath.plan"),
     ("index record", "router.gateway", "Gateway.record_placement"),
     ("index record", "router.request_path", "RequestPath.record_placement"),
     ("learn", "router.gateway", "Gateway._learn"),
@@ -166,7 +167,10 @@ async def _drive(gw: Any, raw: bytes, i: int) -> None:
 
     path = getattr(gw, "path", gw)  # the request path, split out of the gateway
     rr = await path.prepare(raw, {}, "chat", f"req-{i}", None, lazy=True)
-    decision = await path.decide(rr)
+    if hasattr(path, "plan"):  # the exchange plans (a decision is the plan's one leg)
+        decision = (await path.plan(rr)).legs[0].decision
+    else:
+        decision = await path.decide(rr)
     path.policy.placed(decision)
     await path.record_placement(rr, decision)
     path.count_prompt(rr)

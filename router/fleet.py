@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -33,6 +33,10 @@ from router.schedule.observed import ObservedTTFT
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.fleet")
+
+# What a replica does with a request (router/plan.py): the whole of it (aggregated serving,
+# the only role configured today), or one side of prefill/decode disaggregation.
+Role = Literal["both", "prefill", "decode"]
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Replica:
     # Time to first streamed byte of mostly cached requests (its wait), decayed; the gateway
     # feeds it (``RequestPath.learn``) and ring_spill's ttft cap reads it.
     ttft: ObservedTTFT = field(default_factory=ObservedTTFT)
+    role: Role = "both"
 
     @property
     def ejected(self) -> bool:

@@ -1,9 +1,10 @@
 """The request path of one gateway, up to and after forwarding:
 
-    prepare (parse -> tenancy -> prompt -> blocks) -> decide (schedule) -> [forward] -> learn
+    prepare (parse -> tenancy -> prompt -> blocks) -> plan (schedule) -> [forward] -> learn
 
-``prepare`` and ``decide`` need no HTTP request: the live handlers (router/handlers.py) and
-the explain endpoint both call them, so nothing is re-implemented for explaining. What the
+``prepare`` and ``plan`` (``decide``: its one leg's decision) need no HTTP request: the live
+handlers (router/handlers.py) and the explain endpoint both call them, so nothing is
+re-implemented for explaining. What the
 path needs of a request's model (its renderer, block size and replicas) comes from
 ``served`` and ``serving``; the fleet, index and ring from ``FleetWiring`` (router/wiring.py).
 Forwarding lives in router/forwarding.py, the HTTP surface in router/handlers.py.
@@ -23,7 +24,7 @@ from typing import Any
 from router import blocks, costs, lazy_tail
 from router.config import Config
 from router.errors import APIError, bad_request, clip
-from router.fleet import Replica
+from router.fleet import Replica, Role
 from router.flow.controller import Estimate, FlowConfig, FlowController, FlowRequest, Ticket
 from router.flow.sessions import ResponseChains, session_of
 from router.flow.settings import FlowSettings
@@ -34,6 +35,7 @@ from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, Route, fallback
 from router.models.upkeep import ModelUpkeep
 from router.parse import forwarded_bytes, parse_body, parse_json_object
+from router.plan import Leg, Plan
 from router.prompt import NeedsThread, Renderer, scope
 from router.prompt.lazy import Head
 from router.record import record
@@ -132,7 +134,10 @@ class RequestPath:
         )
         self.converters = dict(converters or {})
         self.chain_cache = blocks.ChainCache()
-        self.policy: Pipeline = from_config(config.routing, wiring.ring)  # schedule + policy flags
+        # One scheduling pipeline per replica role, built from the same plugins: only
+        # ``both`` (aggregated serving) today; prefill/decode disaggregation adds the others.
+        self.pipelines: dict[Role, Pipeline] = {"both": from_config(config.routing, wiring.ring)}
+        self.policy: Pipeline = self.pipelines["both"]  # schedule + policy flags
         # Route on a prompt's head and tokenize the rest off the critical path
         # (router/lazy_tail.py), where the policy provably decides the same.
         why_not = lazy_tail.policy_allows(self.policy)
@@ -532,36 +537,57 @@ class RequestPath:
             return urls[0]
         return self.policy.choose(rr, [r.candidate(0) for r in replicas]).replica
 
-    async def decide(
-        self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
-    ) -> Decision:
-        """The policy's replica for ``rr``. ``slot``: where flow control reserved the request's
-        prefill slot (``Ticket.replica``); a prefix nobody holds goes there, a replica no
-        request queued before it waits for (``Capacity.best_unheld``)."""
+    async def plan(
+        self,
+        rr: RoutedRequest,
+        exclude: frozenset[str] = frozenset(),
+        slot: str | None = None,
+        role: Role = "both",
+    ) -> Plan:
+        """Where ``rr``'s legs go (router/plan.py): today one leg, ``role``'s pipeline's
+        replica, with the prompt tokens it is predicted to compute. ``slot``: where flow
+        control reserved the request's prefill slot (``Ticket.replica``); a prefix nobody
+        holds goes there, a replica no request queued before it waits for
+        (``Capacity.best_unheld``)."""
         t0 = time.perf_counter()
+        policy = self.pipelines[role]
         replicas = self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
         if rr.pinned_replica is not None:  # holds the state the request names
             replicas = [r for r in replicas if r.url == rr.pinned_replica] or replicas
         urls = [r.url for r in replicas]
-        rr = lazy_tail.latest(rr)
+        latest = lazy_tail.latest(rr)
         matches = (
-            await self.wiring.index.match(rr.block_hashes, urls) if self.policy.uses_index else {}
+            await self.wiring.index.match(latest.block_hashes, urls) if policy.uses_index else {}
         )
-        tail = rr.tail
+        tail = latest.tail
         if tail is not None and tail.full is None:
             on_head = tail.decides(matches)
             self.metrics.lazy_tail.labels("head" if on_head else "full").inc()
             if not on_head:  # a match reaches the head's end: wait for the rest (exact)
-                rr = await self.complete(rr)
-                if self.policy.uses_index:
-                    matches = await self.wiring.index.match(rr.block_hashes, urls)
-        if slot is not None and self.policy.uses_index and not any(matches.values()):
+                latest = await self.complete(latest)
+                if policy.uses_index:
+                    matches = await self.wiring.index.match(latest.block_hashes, urls)
+        if slot is not None and policy.uses_index and not any(matches.values()):
             replicas = [r for r in replicas if r.url == slot] or replicas
-        decision = self.policy.choose(rr, [r.candidate(matches.get(r.url, 0)) for r in replicas])
-        if rr.lora is not None:
-            self.upkeep.plan_adapter(rr, decision.replica)  # loaded there first
+        decision = policy.choose(latest, [r.candidate(matches.get(r.url, 0)) for r in replicas])
+        if latest.lora is not None:
+            self.upkeep.plan_adapter(latest, decision.replica)  # loaded there first
+        fleet = self.wiring.opened
+        if fleet is not None:
+            replica = fleet.replicas[decision.replica]
+        else:  # offline: the candidates are all there is
+            replica = next(r for r in replicas if r.url == decision.replica)
+        # Counted on the request as it was handed in (a lazy head: its estimate, made exact
+        # by the exchange once the tail is tokenized).
+        prefill = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        return decision
+        return Plan((Leg(role, replica, decision, prefill),))
+
+    async def decide(
+        self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
+    ) -> Decision:
+        """The policy's replica for ``rr`` (its plan's one leg): what explain shows."""
+        return (await self.plan(rr, exclude, slot)).legs[0].decision
 
     async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
         """The replica failed before computing the blocks recorded for it: take back what
