@@ -1,8 +1,9 @@
 """The gateway: one process's owners, wired together, and their lifecycle.
 
     FleetWiring (router/wiring.py)        replicas, index, ring, fleet mode, discovery
-    RequestPath (router/request_path.py)  prepare -> decide -> record -> learn
-    Forwarder   (router/forwarding.py)    pick, account, send, retry, release
+    RequestPath (router/request_path.py)  prepare -> plan (decide) -> record -> learn
+    Exchanges   (router/exchange.py)      a routed request's life: admit, plan, legs, close
+    Forwarder   (router/forwarding.py)    the other endpoints: pick, account, send, retry
 
 ``start`` brings them up in order (the fleet, a model, fleet mode, the model registry with
 its tokenizers and block sizes, precise mode, flow control) and ``stop`` takes them down. The HTTP surface (router/handlers.py,
@@ -25,13 +26,14 @@ import aiohttp
 
 from router.budget import SharedBudget, share_of
 from router.config import Config
+from router.exchange import Exchanges
 from router.fleet import Fleet, Replica
 from router.fleet_mode import FleetMode
 from router.flow.controller import FlowController
 from router.flow.sessions import ResponseChains
 from router.flow.shared import UsageShare
 from router.forward import header_allow_list
-from router.forwarding import Forwarder
+from router.forwarding import Forwarder, Retries
 from router.held import HELD_FACTOR, HeldBytes
 from router.index import PrefixIndex
 from router.json_check import JsonCheck
@@ -70,7 +72,8 @@ def release_free_memory() -> None:
 
 
 class Gateway:
-    """One gateway process: the fleet wiring, the request path and the forwarder."""
+    """One gateway process: the fleet wiring, the request path, the exchanges and the
+    forwarder."""
 
     def __init__(
         self,
@@ -105,16 +108,29 @@ class Gateway:
             on_rewritten_id=self._rewritten_id,
         )
         self._rewriting_hops: set[str] = set()
-        self.forwarder = Forwarder(
-            self.upstream,
+        # Trying another replica before the first byte: one set of rules for the routed
+        # exchanges and the forwarded jobs (router/forwarding.py).
+        retries = Retries(
             self.metrics,
             config.forwarding.max_retries,
-            lambda: self.wiring.fleet,
-            self.wiring.sync_ring,
+            self.wiring.sync_ring,  # the ring follows the replicas' health
             RetryBudget(
                 config.forwarding.retry_budget_percent,
                 config.forwarding.retry_budget_min_concurrency,
             ),
+        )
+        self.forwarder = Forwarder(self.upstream, self.metrics, lambda: self.wiring.fleet, retries)
+        # A routed request's life after prepare (router/exchange.py).
+        self.exchanges = Exchanges(
+            self.path,
+            retries,
+            lambda: self.wiring.fleet,
+            decision_headers=(
+                config.routing.decision_headers
+                if config.routing.decision_headers is not None
+                else not config.auth.enabled
+            ),
+            auth=config.auth.enabled,
         )
         self.forward_allow = header_allow_list(
             config.auth.enabled, config.forwarding.forward_headers

@@ -1,5 +1,5 @@
 """The HTTP surface of one gateway: the generation routes (read the body within bounds,
-prepare, then the forwarding path with the policy's decision: router/routed.py), /tokenize
+prepare, then the request's exchange: router/exchange.py), /tokenize
 and /detokenize, and health, readiness and metrics.
 
 Everything here drives the gateway's owners (router/gateway.py); nothing below this layer
@@ -21,6 +21,7 @@ from router.body import content_coding
 from router.budget import peer_key
 from router.costs import prompt_floor
 from router.errors import APIError
+from router.exchange import Exchange
 from router.forward import request_headers
 from router.forwarding import ModelJob
 from router.gateway import LARGE_BODY_BYTES, Gateway, release_free_memory
@@ -29,8 +30,8 @@ from router.limits import check_body
 from router.models.fallback import CHARS_PER_TOKEN
 from router.parse import parse_json_object
 from router.request import Endpoint, RoutedRequest
-from router.routed import RoutedJob
 from router.server import mark_identified
+from router.transport import Relay
 
 log = logging.getLogger("prefix_router")
 
@@ -55,6 +56,8 @@ class Handlers:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self.path = gateway.path
+        self.exchanges = gateway.exchanges  # a routed request's life (router/exchange.py)
+        self.upstream = gateway.upstream  # the relay's client
         self._fallbacks_seen = 0
 
     def identify(self, request: web.Request) -> str:
@@ -193,16 +196,10 @@ class Handlers:
         )
 
     async def route_prepared(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
-        """Send a prepared request where the policy decides (router/routed.py)."""
-        metrics = self.gw.metrics
-        metrics.child(metrics.tenant_requests, rr.tenant).inc()
-        ticket = await self.path.admit(rr, request.headers)  # waits while the fleet is full
-        try:
-            self.path.count_prompt(rr)
-            job = RoutedJob(self.path, rr, self.upstream_headers(request), self.gw.config, ticket)
-            return await self.gw.forwarder.forward(request, rr.request_id, job)
-        finally:
-            ticket.done()  # its prefill slot back, however the request ended
+        """A prepared request's life (router/exchange.py), relayed to ``request``'s client."""
+        relay = Relay(self.upstream, request)
+        headers = self.upstream_headers(request)
+        return await Exchange(self.exchanges, rr, request.headers, headers, relay).run()
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.route(request, "chat")

@@ -1,13 +1,14 @@
 """The request path of one gateway, up to and after forwarding:
 
-    prepare (parse -> tenancy -> prompt -> blocks) -> plan (schedule) -> [forward] -> learn
+    prepare (parse -> tenancy -> prompt -> blocks) -> plan (schedule) -> [exchange] -> learn
 
 ``prepare`` and ``plan`` (``decide``: its one leg's decision) need no HTTP request: the live
 handlers (router/handlers.py) and the explain endpoint both call them, so nothing is
 re-implemented for explaining. What the
 path needs of a request's model (its renderer, block size and replicas) comes from
 ``served`` and ``serving``; the fleet, index and ring from ``FleetWiring`` (router/wiring.py).
-Forwarding lives in router/forwarding.py, the HTTP surface in router/handlers.py.
+A routed request's life after ``prepare`` is its exchange (router/exchange.py), the HTTP
+surface router/handlers.py.
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router import costs
+from router.accounting import Attempt
 from router.body import decode_body
 from router.errors import APIError, bad_request
 from router.fleet import Fleet
 from router.flow.ticket import Ticket
-from router.forwarding import Attempt, Job, least_loaded
+from router.forwarding import Job, least_loaded
 from router.models.fallback import CHARS_PER_TOKEN
 from router.parse import forwarded_bytes
 
