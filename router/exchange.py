@@ -30,7 +30,7 @@ from router.accounting import Attempt, charge, prefilled, release
 from router.fleet import Fleet
 from router.flow.ticket import Ticket
 from router.forward import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable
-from router.forwarding import Retries, queued_everywhere
+from router.forwarding import Retries, idle_among, queued_everywhere
 from router.plan import Leg
 from router.request import Endpoint, RoutedRequest
 from router.request_path import RequestPath
@@ -154,7 +154,7 @@ class Exchange(Generic[A]):
                         await self.unavailable(leg, e.why)
                         tried = frozenset(self.tried)
                         retrying = await retries.failed(
-                            fleet, leg.replica, e, tried, retrying, self.saturated
+                            fleet, leg.replica, e, tried, retrying, self.saturated, self.idle
                         )
                         log.info(
                             "request %s: %s failed before the first byte (%s); retrying",
@@ -269,6 +269,12 @@ class Exchange(Generic[A]):
         if self.path.flow.saturated(model):
             return True
         return queued_everywhere(r for r in self.owner.fleet().serving(model) if r.url not in tried)
+
+    def idle(self, tried: frozenset[str]) -> bool:
+        """Another replica serving its model has nothing waiting: a retry there is failover,
+        not added load (it needs none of the retry budget)."""
+        model = self.path.flow_model(self.rr)
+        return idle_among(r for r in self.owner.fleet().serving(model) if r.url not in tried)
 
     async def answered(self, leg: Leg, outcome: Outcome) -> None:
         """The replica's answer was relayed: its health, a Responses chain, then learning."""

@@ -81,18 +81,27 @@ AUTH_ALLOWED = frozenset(
 RETRYABLE_STATUS = frozenset({502, 503})
 
 
+# A replica that closed the connection before answering (router/upstream.py's reasons): it is
+# gone or going, and vLLM aborts a request whose connection closes, so a re-send is failover,
+# not a second computation of the same request.
+DROPPED = frozenset({"closed", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError"})
+
+
 class UpstreamUnavailable(Exception):
     """The replica could not take the request (connect error, 502/503, timeout before any
     byte): safe to retry on another replica. ``counts``: the replica's failure is recorded
     (False when another request already recorded this one, e.g. a shared adapter load).
-    ``sent``: the request may have reached the replica (not a connect failure), so a
-    re-send may have it computed twice."""
+    ``sent``: the replica may still compute the request (it reached it and the connection
+    was not dropped: a timeout, an answer refusing it), so a re-send may have it computed
+    twice and takes the retry budget."""
 
     def __init__(self, why: str, counts: bool = True, sent: bool | None = None) -> None:
         super().__init__(why)
         self.why = why
         self.counts = counts
-        self.sent = not why.startswith("connect") if sent is None else sent
+        if sent is None:
+            sent = not (why.startswith("connect") or why in DROPPED)
+        self.sent = sent
 
 
 @dataclass(slots=True)

@@ -50,6 +50,13 @@ def least_loaded(replicas: Iterable[Replica]) -> Replica | None:
     return min(replicas, key=load_order, default=None)
 
 
+def idle_among(replicas: Iterable[Replica]) -> bool:
+    """Some replica has nothing waiting: no request of this gateway's waiting for its first
+    byte there and no queue of its own (as last scraped). A retry sent there adds to no one's
+    wait, so it needs none of the retry budget."""
+    return any(not r.pending_requests and not r.stats.waiting for r in replicas)
+
+
 def queued_everywhere(replicas: Iterable[Replica]) -> bool:
     """Some replica, and each of them has requests waiting in its own queue."""
     found = False
@@ -90,6 +97,10 @@ class Job:
         """Every replica the request could go to next has a queue of its own (vLLM's
         ``num_requests_waiting``, as last scraped): a re-sent request would wait again."""
         return queued_everywhere(r for r in fleet.healthy() if r.url not in tried)
+
+    def idle_elsewhere(self, fleet: Fleet, tried: frozenset[str]) -> bool:
+        """A replica the request could go to next has nothing waiting (``idle_among``)."""
+        return idle_among(r for r in fleet.healthy() if r.url not in tried)
 
 
 class ModelJob(Job):
@@ -155,11 +166,14 @@ class Retries:
         tried: frozenset[str],
         retrying: bool,
         saturated: Callable[[frozenset[str]], bool],
+        idle: Callable[[frozenset[str]], bool],
     ) -> bool:
         """``replica`` failed before the first byte (already in ``tried``): its failure
         recorded, then the ``APIError`` that ends the request, or True when it goes on to
         another replica holding one of the budget's retries (held until the request ends:
-        ``end``)."""
+        ``end``). A retry that can go to an idle replica (``idle``: a hung or dying replica
+        beside free ones) fails over without the budget: the budget is against piling
+        re-sent work onto replicas that are busy already."""
         if e.counts:
             await fleet.record_failure(replica, e.why)
             self._after_failure()
@@ -182,7 +196,9 @@ class Retries:
                 "retry later",
                 code="fleet_saturated",
             ) from e
-        if not retrying and not self.budget.take():
+        if retrying or idle(tried):
+            return retrying
+        if not self.budget.take():
             self.metrics.retries_shed.labels("budget").inc()
             raise APIError(
                 503,
@@ -268,6 +284,7 @@ class Forwarder:
                         frozenset(tried),
                         retrying,
                         functools.partial(job.saturated, fleet),
+                        functools.partial(job.idle_elsewhere, fleet),
                     )
                     log.info(
                         "request %s: %s failed before the first byte (%s); retrying",

@@ -225,11 +225,16 @@ async def test_hot_prefix_spills_to_a_second_replica(fleet, gateway):
 
 
 async def test_replica_killed_mid_run_loses_no_request(fleet, gateway):
+    """The requests in flight on a replica that dies fail over whatever the retry budget:
+    the replica dropped their connections, so none is computed twice (here the budget allows
+    no retry at all)."""
     replicas = await fleet(3, prefill_tokens_per_s=50_000)
-    # Every request in flight may be retried: by default the retry budget sheds retries past
-    # 20% of them (router/retry_budget.py), and the ~10 the victim holds when it dies fail
-    # at once when they reached it before it stopped (a 503 each past the budget's 6).
-    gw = await gateway([r.url for r in replicas], eject_after_failures=1, retry_budget_percent=100)
+    gw = await gateway(
+        [r.url for r in replicas],
+        eject_after_failures=1,
+        retry_budget_percent=0,
+        retry_budget_min_concurrency=0,
+    )
     victim = replicas[0]
 
     async def one(s, i):
