@@ -121,6 +121,21 @@ class _Conversation:
         self.messages.append({"role": "assistant", "content": answer, "tool_calls": [call]})
         self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result})
 
+    def next_turn(
+        self, turn: dict[str, Any], t: int, answer: str | None, result: str | None
+    ) -> None:
+        """The conversation as turn ``t`` sends it: the previous ``answer`` back (calling a
+        tool whose ``result`` follows), the turn's own instruction if it has one (a first turn
+        without one gets a plain start), then compacted past the cap."""
+        if answer is not None:
+            self.answered(answer, t, result)
+        task = _text(turn, "user", self.session, t)
+        if task is not None:
+            self.messages.append({"role": "user", "content": task})
+        elif len(self.messages) == 1:
+            self.messages.append({"role": "user", "content": f"Start task {self.session}."})
+        self.compact()
+
     def compact(self) -> None:
         if self.cap is None or estimate_tokens(self.messages) <= self.cap:
             return
@@ -155,6 +170,18 @@ def _script(
             out["tools"] = defs
         return out
 
+    def request(conv: _Conversation, turn: dict[str, Any], seq: int, meta: dict) -> RequestSpec:
+        return RequestSpec(
+            "chat",
+            group=group,
+            session=conv.session,
+            turn=seq,
+            body=body(conv.messages, int(turn.get("max_tokens", 128)), tool_defs),
+            delay_s=float(turn.get("think_s", 0.0)) / time_scale,
+            meta=meta,
+            headers=headers,
+        )
+
     def script() -> Script:
         conv = _Conversation(session, system, cap)
         seq = 0  # request index in this session (sub-agent requests included)
@@ -163,49 +190,20 @@ def _script(
             tool_result = _text(turn, "tool_result", session, t)
             sub = turn.get("subagent")
             if sub:  # the sub-agent runs first; its final answer is this turn's tool result
-                sub_kind = str(sub.get("kind", SUBAGENT_KIND))
-                sub_id = f"{session}/sub{t}"
-                sub_conv = _Conversation(sub_id, system, cap)
+                meta = {"agent": str(sub.get("kind", SUBAGENT_KIND)), "parent": session}
+                sub_conv = _Conversation(f"{session}/sub{t}", system, cap)
                 sub_answer: str | None = None
                 for st, sturn in enumerate(sub["turns"]):
-                    if sub_answer is not None:
-                        sub_conv.answered(sub_answer, st, _text(sturn, "tool_result", sub_id, st))
-                    task = _text(sturn, "user", sub_id, st)
-                    if task is not None:
-                        sub_conv.messages.append({"role": "user", "content": task})
-                    sub_conv.compact()
-                    sub_answer = yield RequestSpec(
-                        "chat",
-                        group=group,
-                        session=sub_id,
-                        turn=seq,
-                        body=body(sub_conv.messages, int(sturn.get("max_tokens", 128)), tool_defs),
-                        delay_s=float(sturn.get("think_s", 0.0)) / time_scale,
-                        meta={"agent": sub_kind, "parent": session, "subagent": True},
-                        headers=headers,
-                    )
+                    result = _text(sturn, "tool_result", sub_conv.session, st)
+                    sub_conv.next_turn(sturn, st, sub_answer, result)
+                    sub_answer = yield request(sub_conv, sturn, seq, {**meta, "subagent": True})
                     seq += 1
                     if sub_answer is None:
                         return
                 tool_result = sub_answer
-            if last_answer is not None:
-                conv.answered(last_answer, t, tool_result)
-            task = _text(turn, "user", session, t)
-            if task is not None:
-                conv.messages.append({"role": "user", "content": task})
-            elif len(conv.messages) == 1:
-                conv.messages.append({"role": "user", "content": f"Start task {session}."})
-            conv.compact()
-            last_answer = yield RequestSpec(
-                "chat",
-                group=group,
-                session=session,
-                turn=seq,
-                body=body(conv.messages, int(turn.get("max_tokens", 128)), tool_defs),
-                delay_s=float(turn.get("think_s", 0.0)) / time_scale,
-                meta={"agent": kind, "context_turn": t, "subagent": False},
-                headers=headers,
-            )
+            conv.next_turn(turn, t, last_answer, tool_result)
+            meta = {"agent": kind, "context_turn": t, "subagent": False}
+            last_answer = yield request(conv, turn, seq, meta)
             seq += 1
             if last_answer is None:
                 return
