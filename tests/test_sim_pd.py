@@ -12,9 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from loadtest.replica import SimConfig, SimReplica
+from loadtest.replica import SimReplica
 from loadtest.sim.kvcache import block_hashes
-from router.prompt import Renderer
 
 MODEL = "Qwen/Qwen3-0.6B"
 BS = 16
@@ -22,19 +21,16 @@ Start = Callable[..., Awaitable[SimReplica]]
 
 
 @pytest.fixture
-async def sim(reference_renderer: Renderer) -> AsyncIterator[Start]:
-    started: list[SimReplica] = []
+def sim(fleet: Callable[..., Awaitable[list[SimReplica]]]) -> Start:
+    """``await sim(**config)``: one replica with the NIXL connector (conftest's ``fleet``
+    starts and stops it)."""
 
     async def start(**overrides: Any) -> SimReplica:
         overrides.setdefault("kv_connector", "NixlConnector")
-        replica = SimReplica(SimConfig(**overrides), renderer=reference_renderer)
-        await replica.start()
-        started.append(replica)
+        (replica,) = await fleet(1, **overrides)
         return replica
 
-    yield start
-    for replica in started:
-        await replica.stop()
+    return start
 
 
 @pytest.fixture
