@@ -40,12 +40,15 @@ REPLICAS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 # Steps, in the order printed. Each is (label, module, attribute path); an attribute a tree
 # does not have (an older or newer revision) is skipped, and its cost lands in the enclosing
 # step. Nested steps take their time out of the enclosing one. The request path moved from
-# router.gateway.Gateway to router.request_path.RequestPath: both are listed.
+# router.gateway.Gateway to router.request_path.RequestPath, then to
+# router.routing.request_path.RequestPath (issue 40's folders): all are listed.
 STEPS: list[tuple[str, str, str]] = [
     ("prepare (rest)", "router.gateway", "Gateway.prepare"),
     ("prepare (rest)", "router.request_path", "RequestPath.prepare"),
+    ("prepare (rest)", "router.routing.request_path", "RequestPath.prepare"),
     ("parse + limits", "router.gateway", "parse_body"),
     ("parse + limits", "router.request_path", "parse_body"),
+    ("parse + limits", "router.routing.request_path", "parse_body"),
     ("normalise", "router.prompt.renderer", "Renderer.normalize_chat"),
     ("render (jinja)", "router.prompt.renderer", "Renderer._render"),
     ("prefix state", "router.prompt.renderer", "Renderer._prefix_ids"),
@@ -53,14 +56,20 @@ STEPS: list[tuple[str, str, str]] = [
     ("segment tokenize", "router.prompt.limits", "PromptLimits.tokenize_text"),
     ("block hashes", "router.gateway", "Gateway._hashes"),
     ("block hashes", "router.request_path", "RequestPath._hashes"),
+    ("block hashes", "router.routing.request_path", "RequestPath._hashes"),
     ("decide", "router.gateway", "Gateway.decide"),
     ("decide", "router.request_path", "RequestPath.decide"),
     ("decide", "router.request_path", "RequestPath.plan"),
+    ("decide", "router.routing.request_path", "RequestPath.decide"),
+    ("decide", "router.routing.request_path", "RequestPath.plan"),
     ("index record", "router.gateway", "Gateway.record_placement"),
     ("index record", "router.request_path", "RequestPath.record_placement"),
+    ("index record", "router.routing.request_path", "RequestPath.record_placement"),
     ("learn", "router.gateway", "Gateway._learn"),
     ("learn", "router.request_path", "RequestPath._learn"),
+    ("learn", "router.routing.request_path", "RequestPath._learn"),
     ("learn", "router.learning", "Learner.learn"),
+    ("learn", "router.routing.learning", "Learner.learn"),
 ]
 OUTSIDE = "driver (not counted)"
 MARKER = "marker"
@@ -134,11 +143,26 @@ def _bodies(n: int, seed: int) -> list[bytes]:
     return make_bodies(n, 4000, 3000, False, seed, False, fresh_user=True)
 
 
+def _first(*candidates: tuple[str, str]) -> Any:
+    """The first of (module, name) that this tree has: a --baseline tree may predate a move."""
+    import importlib
+
+    for module, name in candidates:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ImportError:
+            continue
+    raise ImportError(f"none of {candidates}")
+
+
 async def _gateway() -> Any:
     from router.config import Config
-    from router.fleet import Fleet
     from router.gateway import Gateway
-    from router.loading import load_renderer
+
+    Fleet = _first(("router.fleet.replicas", "Fleet"), ("router.fleet", "Fleet"))
+    load_renderer = _first(
+        ("router.models.loading", "load_renderer"), ("router.loading", "load_renderer")
+    )
 
     if hasattr(Config, "from_flat"):  # the config in typed sections
         config = Config.from_flat({"replicas": list(REPLICAS)})
@@ -163,7 +187,7 @@ async def _gateway() -> Any:
 
 
 async def _drive(gw: Any, raw: bytes, i: int) -> None:
-    from router.forward import Outcome
+    Outcome = _first(("router.upstream.proxy", "Outcome"), ("router.forward", "Outcome"))
 
     path = getattr(gw, "path", gw)  # the request path, split out of the gateway
     rr = await path.prepare(raw, {}, "chat", f"req-{i}", None, lazy=True)

@@ -47,9 +47,9 @@ import aiohttp
 
 from loadtest import benchkit
 from loadtest.replica import SimConfig, SimReplica
-from router.app import start_gateway
-from router.bundled import tokenizer_dir
 from router.config import load_config
+from router.core.bundled import tokenizer_dir
+from router.http.app import start_gateway
 from router.prompt import Renderer
 from tests.redis_server import RedisServer
 

@@ -39,9 +39,9 @@ from loadtest.runner import RunResult, run_workload
 from loadtest.sim.config import SimConfig
 from loadtest.sim.server import SimReplica
 from loadtest.sim.tokens import get_renderer
-from router.app import RunningGateway, start_gateway
-from router.bundled import tokenizer_dir
 from router.config import load_config
+from router.core.bundled import tokenizer_dir
+from router.http.app import RunningGateway, start_gateway
 
 QWEN = "Qwen/Qwen3-0.6B"
 LLAMA = "meta-llama/Meta-Llama-3-8B-Instruct"

@@ -53,7 +53,7 @@ from loadtest.workloads import (
     tenant_system_prompt,
 )
 from router.config import load_config
-from router.tenancy import Tenancy
+from router.tenancy.tenants import Tenancy
 
 SECRET = "bench-tenancy-salt-secret-0123456789abcdef"
 SCENARIOS = ("passthrough", "none", "tenant", "tenant+client", "tenant+public")

@@ -24,7 +24,7 @@ from loadtest.runner import (
     run_workload,
     start_target,
 )
-from router.usage import (
+from router.ops.command_line import (
     HelpFormatter,
     OneLineParser,
     UsageError,

@@ -20,7 +20,14 @@ from loadtest import procs
 from loadtest.runner import ClientTarget, GatewayTarget, attach_ideal, run_workload
 from loadtest.sim.tokens import get_renderer
 from loadtest.workloads import multi_tenant
-from router.usage import HelpFormatter, OneLineParser, UsageError, at_least, positive, run
+from router.ops.command_line import (
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    at_least,
+    positive,
+    run,
+)
 
 
 def _row(name: str, r: Any) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from router.blocks import block_hashes, cacheable_blocks
+from router.core.blocks import block_hashes, cacheable_blocks
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from router import exposition
+from router.telemetry import exposition
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -23,7 +23,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 
-# The one parser of the page (router/exposition.py), named as the load tests call it.
+# The one parser of the page (router/telemetry/exposition.py), named as the load tests call it.
 parse_prometheus = exposition.parse
 
 

@@ -1,5 +1,5 @@
 """The floor under any gateway built like prefix-router: aiohttp in front, the gateway's own
-keep-alive client (``router.upstream``) behind, and nothing in between (no parse, no
+keep-alive client (``router.upstream.client``) behind, and nothing in between (no parse, no
 tokenizing, no routing: round robin over the replicas). ``bench_overhead`` runs it beside the
 gateway, so the table shows how much of the gateway's cost is its routing and how much is
 the Python HTTP path itself.
@@ -15,7 +15,7 @@ import sys
 
 from aiohttp import web
 
-from router.upstream import UpstreamPool
+from router.upstream.client import UpstreamPool
 
 FORWARDED = ("Content-Type", "Authorization")
 

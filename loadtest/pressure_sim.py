@@ -9,7 +9,7 @@ traffic in seconds. Each replica is a compact vLLM model:
   token costs ``decode_cost_tokens`` prefill tokens of the replica's time, taken from the next
   prefill unless the replica sat idle long enough to absorb it;
 - the simulated replicas' block pool (``loadtest.sim.kvcache.BlockPool``: vLLM's rules) of
-  ``num_blocks`` blocks of ``block_size`` tokens, keyed by ``router.blocks`` chained hashes: only
+  ``num_blocks`` blocks of ``block_size`` tokens, keyed by ``router.core.blocks`` chained hashes: only
   full blocks are cached; a hit is the longest cached run from block 0, capped at
   ``num_tokens - 1``; blocks of running requests are held; freed blocks join an LRU free queue
   tail-first and allocation evicts from its head; a request's blocks (prompt and output) are
@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.pressure import Conversation
 from loadtest.sim.kvcache import Block, BlockPool
-from router.blocks import block_hashes, cacheable_blocks
+from router.core.blocks import block_hashes, cacheable_blocks
 from router.index.memory import MemoryIndex
-from router.request import RoutedRequest
+from router.intake.routed_request import RoutedRequest
 from router.schedule import Candidate, Decision, HashRing, Pipeline, build_named
 from router.schedule.observed import ObservedTTFT, is_wait_sample
 from router.schedule.recent import RecentCounts
@@ -87,7 +87,7 @@ class Req:
 
 class Pool:
     """A replica's blocks: ``loadtest.sim.kvcache.BlockPool`` (vLLM's caching and eviction
-    rules, the simulated replicas' own) keyed by ``router.blocks`` hashes, with a request's
+    rules, the simulated replicas' own) keyed by ``router.core.blocks`` hashes, with a request's
     blocks allocated at admission for its prompt and output."""
 
     def __init__(self, num_blocks: int) -> None:

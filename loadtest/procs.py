@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 
 TOKENIZER = str(tokenizer_dir())
 

@@ -3,7 +3,7 @@ timing model, without a GPU.
 
 Used by the tests, the demo and the load-test harness as the ground truth the router is judged
 against, so the prefix cache (``loadtest.sim.kvcache``) is written independently of
-``router.blocks`` and follows vLLM's rules exactly; see ``loadtest.sim.engine`` for the
+``router.core.blocks`` and follows vLLM's rules exactly; see ``loadtest.sim.engine`` for the
 scheduling and timing model.
 
     async with run_replicas(3, block_size=16) as replicas:

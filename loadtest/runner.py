@@ -40,7 +40,7 @@ from loadtest import metrics_scrape as ms
 from loadtest.ideal import IdealRequest, IdealResult, ideal_hit_rate
 from loadtest.sim.tokens import get_renderer
 from loadtest.workloads import RequestSpec, Session, Workload
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 
 REPLICA_HEADER = "x-prefix-router-replica"
 CACHED_BLOCKS_HEADER = "x-prefix-router-cached-blocks"
@@ -157,13 +157,13 @@ class GatewayUnavailable(RuntimeError):
 async def _start_gateway(
     policy: str, replica_urls: list[str], *, seed: int = 0, **overrides: Any
 ) -> tuple[str, Callable[[], Awaitable[None]]]:
-    """Start a fresh in-process gateway (``router.app.start_gateway``) with ``policy`` in front
+    """Start a fresh in-process gateway (``router.http.app.start_gateway``) with ``policy`` in front
     of ``replica_urls`` on a free loopback port; return its URL and an async stop function.
     ``overrides`` are further ``router.config.Config`` fields."""
     try:
-        from router.admin import SERVED_EXTENSIONS
-        from router.app import start_gateway
         from router.config import load_config
+        from router.http.app import start_gateway
+        from router.ops.admin import SERVED_EXTENSIONS
     except ImportError as e:  # pragma: no cover - the gateway ships in this distribution
         raise GatewayUnavailable(f"the in-process gateway is not available ({e})") from e
     config = load_config(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from router import __version__
 from router.config import Config, ConfigError, add_arguments, dump_yaml, load_config
-from router.usage import (
+from router.ops.command_line import (
     DEBUG_ENV,
     OneLineParser,
     UsageError,
@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_tokenizer("--tokenizer", config.routing.tokenizer)
     check_file("--api-keys-file", config.auth.api_keys_file)
     try:
-        from router.tenancy import load_table
+        from router.tenancy.tenants import load_table
 
         load_table(config)  # --auth's missing settings now, all at once, before starting
     except ConfigError as e:
@@ -83,8 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _run_worker(config: Config) -> int:
     """One gateway process: its own event loop (uvloop when installed) and app."""
-    from router.admin import SERVED_EXTENSIONS
-    from router.app import build_app
+    from router.http.app import build_app
+    from router.ops.admin import SERVED_EXTENSIONS
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
@@ -129,7 +129,7 @@ def _log_lifecycle(app: web.Application, config: Config) -> None:
 
 
 def _run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoop) -> None:
-    from router.app import run_app
+    from router.http.app import run_app
 
     run_app(app, config, loop)  # aiohttp's run_app, with the gateway's connection limits
 
@@ -177,8 +177,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 # Subcommands built into the gateway, each parsed by its module's own ``main(argv)``.
 DELEGATED = {
-    "explain": ("router.explain", "print token ids and block hashes for request bodies"),
-    "diagnose": ("router.diagnose", "explain a low prefix-cache hit rate from captured requests"),
+    "explain": ("router.ops.explain", "print token ids and block hashes for request bodies"),
+    "diagnose": (
+        "router.ops.diagnose",
+        "explain a low prefix-cache hit rate from captured requests",
+    ),
 }
 
 # Subcommands other packages add (the demo, the vLLM simulator and the load tests, which live

@@ -1,13 +1,13 @@
 """The gateway: one process's owners, wired together, and their lifecycle.
 
-    FleetWiring (router/wiring.py)        replicas, index, ring, fleet mode, discovery
-    RequestPath (router/request_path.py)  prepare -> plan (decide) -> record -> learn
-    Exchanges   (router/exchange.py)      a routed request's life: admit, plan, legs, close
-    Forwarder   (router/forwarding.py)    the other endpoints: pick, account, send, retry
+    FleetWiring (router/fleet/wiring.py)        replicas, index, ring, fleet mode, discovery
+    RequestPath (router/routing/request_path.py)  prepare -> plan (decide) -> record -> learn
+    Exchanges   (router/routing/exchange.py)      a routed request's life: admit, plan, legs, close
+    Forwarder   (router/routing/forwarder.py)    the other endpoints: pick, account, send, retry
 
 ``start`` brings them up in order (the fleet, a model, fleet mode, the model registry with
-its tokenizers and block sizes, precise mode, flow control) and ``stop`` takes them down. The HTTP surface (router/handlers.py,
-router/app.py) and the ops modules drive the owners; the properties below are the handles
+its tokenizers and block sizes, precise mode, flow control) and ``stop`` takes them down. The HTTP surface (router/http/handlers.py,
+router/http/app.py) and the ops modules drive the owners; the properties below are the handles
 operators and tests read.
 """
 
@@ -24,41 +24,41 @@ from typing import Any
 
 import aiohttp
 
-from router.budget import SharedBudget, share_of
 from router.config import Config
-from router.exchange import Exchanges
-from router.fleet import Fleet, Replica
-from router.fleet_mode import FleetMode
+from router.core.tasks import Background
+from router.fleet.mode import FleetMode
+from router.fleet.replicas import Fleet, Replica
+from router.fleet.shared_state import FleetSync
+from router.fleet.wiring import FleetListener, FleetWiring
 from router.flow.controller import FlowController
 from router.flow.sessions import ResponseChains
 from router.flow.shared import UsageShare
-from router.forward import header_allow_list
-from router.forwarding import Forwarder, Retries
-from router.held import HELD_FACTOR, HeldBytes
 from router.index import PrefixIndex
-from router.json_check import JsonCheck
+from router.intake.budget import SharedBudget, share_of
+from router.intake.held import HELD_FACTOR, HeldBytes
+from router.intake.json_check import JsonCheck
+from router.intake.routed_request import Endpoint
+from router.intake.shapes import BodyLimits
 from router.kv_events import KVEventSubscriber, SettleOnOutcome, start_for
-from router.limits import BodyLimits
-from router.loading import load_renderer, tokenizer_source
-from router.metrics import Metrics
 from router.models import ModelEntry, ModelRegistry, tokenizers
+from router.models.loading import load_renderer, tokenizer_source
 from router.prompt import Renderer
 from router.readiness import Readiness, assess
-from router.request import Endpoint
-from router.request_path import (
+from router.routing.exchange import Exchanges
+from router.routing.forwarder import Forwarder, Retries
+from router.routing.request_path import (
     DEFAULT_BLOCK_SIZE,
     LARGE_BODY_BYTES,
     ChatConverter,
     Observer,
     RequestPath,
 )
-from router.retry_budget import RetryBudget
+from router.routing.retry_budget import RetryBudget
 from router.schedule import Pipeline, Rings
-from router.shared_state import FleetSync
-from router.tasks import Background
-from router.tenancy import Tenancy
-from router.upstream import UpstreamPool
-from router.wiring import FleetListener, FleetWiring
+from router.telemetry.metrics import Metrics
+from router.tenancy.tenants import Tenancy
+from router.upstream.client import UpstreamPool
+from router.upstream.proxy import header_allow_list
 
 log = logging.getLogger("prefix_router")
 
@@ -98,7 +98,7 @@ class Gateway:
             renderer,
             converters,
         )
-        # The proxy path's own client (router/upstream.py); the wiring's session serves the
+        # The proxy path's own client (router/upstream/client.py); the wiring's session serves the
         # fleet's health checks and scrapes.
         self.upstream = UpstreamPool(
             connect_timeout=config.forwarding.connect_timeout_s,
@@ -109,7 +109,7 @@ class Gateway:
         )
         self._rewriting_hops: set[str] = set()
         # Trying another replica before the first byte: one set of rules for the routed
-        # exchanges and the forwarded jobs (router/forwarding.py).
+        # exchanges and the forwarded jobs (router/routing/forwarder.py).
         retries = Retries(
             self.metrics,
             config.forwarding.max_retries,
@@ -120,7 +120,7 @@ class Gateway:
             ),
         )
         self.forwarder = Forwarder(self.upstream, self.metrics, lambda: self.wiring.fleet, retries)
-        # A routed request's life after prepare (router/exchange.py).
+        # A routed request's life after prepare (router/routing/exchange.py).
         self.exchanges = Exchanges(
             self.path,
             retries,
@@ -136,13 +136,13 @@ class Gateway:
             config.auth.enabled, config.forwarding.forward_headers
         )
         self.draining = False
-        # What start-up reports (router/startup.py): where the tokenizer and the block size
+        # What start-up reports (router/http/startup.py): where the tokenizer and the block size
         # came from, whether it listens and has said "gateway ready".
         self.block_size_source = "--block-size" if config.routing.block_size else "the default"
         self.tokenizer_source = "given by the caller" if renderer is not None else "not loaded"
         self.listening = False
         self.announced_ready = False
-        # Request-body bytes being received now, with each client's share (router/handlers.py).
+        # Request-body bytes being received now, with each client's share (router/http/handlers.py).
         self.body_bytes = SharedBudget(
             config.limits.max_inflight_body_bytes,
             share_of(
@@ -152,7 +152,7 @@ class Gateway:
             ),
         )
         # Bodies held once they arrived (queued, forwarded), with each client's share
-        # (router/held.py): what a waiting request holds is bounded, not only its arrival.
+        # (router/intake/held.py): what a waiting request holds is bounded, not only its arrival.
         self.held = HeldBytes(
             config.limits.max_held_body_bytes,
             share_of(
@@ -163,7 +163,7 @@ class Gateway:
             lambda reason: self.metrics.rejected.labels(reason).inc(),
         )
         # Costly JSON bodies are parsed and held to the limits in a child process first, with
-        # each client's share of the bytes waiting for it (router/json_check.py).
+        # each client's share of the bytes waiting for it (router/intake/json_check.py).
         self.json_check = JsonCheck(
             self.limits,
             SharedBudget(
@@ -183,7 +183,7 @@ class Gateway:
 
     def _rewritten_id(self, origin: str) -> None:
         """An answer carried an X-Request-Id the gateway never sent: a hop that sets its own
-        (router/upstream.py). Counted; logged once per replica."""
+        (router/upstream/client.py). Counted; logged once per replica."""
         self.metrics.child(self.metrics.rewritten_ids, origin).inc()
         if origin not in self._rewriting_hops:
             self._rewriting_hops.add(origin)
@@ -280,7 +280,7 @@ class Gateway:
         return assess(self.fleet, self.path.models.entries, self.draining)
 
     def describe_models(self) -> None:
-        """The start-up summary's tokenizer and block-size lines (router/startup.py)."""
+        """The start-up summary's tokenizer and block-size lines (router/http/startup.py)."""
         entries = sorted(self.path.models.entries.values(), key=lambda e: e.name)
         if not entries:
             if self.path.renderer is not None and self.config.routing.tokenizer:
@@ -403,7 +403,7 @@ class Gateway:
 
     @property
     def fleet_listeners(self) -> list[FleetListener]:
-        """Watchers of the fleet's replica events (router/startup.py): await listener(replica,
+        """Watchers of the fleet's replica events (router/http/startup.py): await listener(replica,
         event)."""
         return self.wiring.fleet_listeners
 

@@ -5,7 +5,7 @@ Ready means: the gateway is not draining, and at least one healthy replica has a
 loaded (exact), or declared absent (no tokenizer anywhere: the labelled text-prefix
 fallback). A model whose tokenizer is still loading, or failed to load and is being retried
 (router/models/upkeep.py), is not settled. ``/ready``, the "gateway ready" line
-(router/startup.py) and whatever else asks whether a gateway can take traffic read
+(router/http/startup.py) and whatever else asks whether a gateway can take traffic read
 ``assess``; nothing else decides it.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.fleet import Fleet, Replica
+from router.fleet.replicas import Fleet, Replica
 from router.models.registry import ModelEntry
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 from router.prompt import Renderer
 
 TOKENIZER_DIR = str(tokenizer_dir())
@@ -55,9 +55,9 @@ async def fleet(reference_renderer: Renderer) -> AsyncIterator[Callable[..., Awa
 @pytest.fixture
 async def gateway(renderer: Renderer) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """``await gateway(replica_urls, **config)`` starts a gateway on a free loopback port."""
-    from router.admin import SERVED_EXTENSIONS
-    from router.app import RunningGateway, start_gateway
     from router.config import load_config
+    from router.http.app import RunningGateway, start_gateway
+    from router.ops.admin import SERVED_EXTENSIONS
 
     started: list[RunningGateway] = []
 

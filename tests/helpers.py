@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.probes import ReplicaStats, parse_vllm_metrics
+from router.fleet.probes import ReplicaStats, parse_vllm_metrics
 
 LONG_SYSTEM = (
     "You are a meticulous support assistant for the ACME cloud platform. Follow the policies "

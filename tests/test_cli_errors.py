@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from router import cli
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = str(tokenizer_dir())

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "oracle_cases.jsonl"

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.outlier import Latency
+from router.fleet.outlier import Latency
 from tests.helpers import chat_body, post, serve, wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"

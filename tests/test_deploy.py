@@ -24,8 +24,8 @@ import yaml
 
 from router.cli import build_parser
 from router.config import Config, ConfigError, load_config
-from router.discovery import DnsDiscoveryConfig
-from router.tenancy import Tenancy
+from router.fleet.discovery import DnsDiscoveryConfig
+from router.tenancy.tenants import Tenancy
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 
 from loadtest.workloads import collect_specs, preamble
-from router import diagnose
-from router.blocks import block_hashes as chain_hashes
-from router.diagnose import Sample, Window, analyze, attribute, find_resync, first_divergence
+from router.core.blocks import block_hashes as chain_hashes
+from router.ops import diagnose
+from router.ops.diagnose import Sample, Window, analyze, attribute, find_resync, first_divergence
 from tests.helpers import LONG_SYSTEM, chat_body, post
 
 MODEL = "Qwen/Qwen3-0.6B"

@@ -1,5 +1,5 @@
 """DNS discovery over real sockets: a small authoritative DNS server (UDP + TCP on 127.0.0.1)
-answers A/AAAA records from a dict the tests mutate, and ``router.discovery`` asks it with its
+answers A/AAAA records from a dict the tests mutate, and ``router.fleet.discovery`` asks it with its
 own DNS client. No sleeps: tests wait on queues/futures with timeouts or drive ``refresh()``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from router.discovery import (
+from router.fleet.discovery import (
     QTYPE_A,
     QTYPE_AAAA,
     DnsDiscovery,
@@ -253,7 +253,7 @@ async def test_resolver_down_keeps_last_set_and_logs_once(
     assert await disc.refresh() is True
     port = dns.port
     await dns.stop()  # the nameserver is gone
-    with caplog.at_level(logging.INFO, logger="router.discovery"):
+    with caplog.at_level(logging.INFO, logger="router.fleet.discovery"):
         for _ in range(3):
             assert await disc.refresh() is False
         assert disc.urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]

@@ -197,7 +197,7 @@ def test_the_lifecycle_hook_example_is_the_whole_change(tmp_path: Path) -> None:
     import argparse
 
     from router.config import load_config
-    from router.lazy_tail import policy_allows
+    from router.routing.lazy_tail import policy_allows
     from router.schedule import Decision, HashRing, from_config, registry
 
     text = section(DOCS / "scheduling.md", "Lifecycle hooks")

@@ -1,4 +1,4 @@
-"""The exchange (router/exchange.py) drives a routed request's phases through any transport:
+"""The exchange (router/routing/exchange.py) drives a routed request's phases through any transport:
 one that is not the gateway's HTTP relay (here, in memory) leaves every phase's bookkeeping
 as the relay does for the same request on a twin gateway -- in flight and pending prefill
 while the replica holds it, flow control's slot, the placement in the index, the prompt
@@ -13,10 +13,10 @@ from typing import Any
 
 import aiohttp
 
-from router.exchange import Exchange
-from router.forward import Outcome, UpstreamUnavailable
 from router.gateway import Gateway
-from router.transport import Report, Wire
+from router.routing.exchange import Exchange
+from router.upstream.proxy import Outcome, UpstreamUnavailable
+from router.upstream.transport import Report, Wire
 from tests.helpers import chat_body, post, wait_for
 
 REPLICA_HDR = "x-prefix-router-replica"

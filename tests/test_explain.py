@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 
-from router import explain
+from router.ops import explain
 from tests.helpers import chat_body, post
 
 CASES = [

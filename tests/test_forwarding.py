@@ -1,4 +1,4 @@
-"""The one forwarding path (router/forwarding.py): every endpoint's requests are counted in
+"""The one forwarding path (router/routing/forwarder.py): every endpoint's requests are counted in
 flight while a replica holds them and released on every path out, retried elsewhere before
 the first byte, and a scheduling plugin sees each attempt's lifecycle (before send, first
 byte, done) through the hooks it declares."""

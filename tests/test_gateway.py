@@ -397,7 +397,7 @@ async def test_index_corrects_after_replica_cache_loss(fleet, gateway):
         before = index.size(replicas[0].url)
         replicas[0].reset_cache()
         # Stale predictions on three different prompts (one is not evidence enough:
-        # router/cache_loss.py) ...
+        # router/fleet/cache_loss.py) ...
         for body in (chat_body("two"), third):
             _, h, answer = await post(s, gw.url + "/v1/chat/completions", body)
             assert int(h[BLOCKS_HDR]) > 0 and cached_tokens(answer) == 0

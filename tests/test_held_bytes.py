@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from router.held import HELD_FACTOR
+from router.intake.held import HELD_FACTOR
 from tests.helpers import chat_body, wait_for
 
 KEYS = {"a": "sk-held-a-0123456789abcdef", "b": "sk-held-b-fedcba9876543210"}

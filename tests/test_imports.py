@@ -1,5 +1,5 @@
 """Imports flow one way: core types -> prompt / index / fleet / schedule -> gateway
-(router/app.py) -> ops (explain, diagnose, admin, offline) -> cli, and loadtest sits above
+(router/http/app.py) -> ops (explain, diagnose, admin, offline) -> cli, and loadtest sits above
 router. Checked on the source: the import graph from every file's AST, module-level and
 function-level imports alike (only ``if TYPE_CHECKING:`` blocks are left out: they never run).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("router", "loadtest")
-OPS = ("router.admin", "router.cli", "router.diagnose", "router.explain", "router.offline")
+OPS = ("router.ops", "router.cli")
 
 
 def module_files() -> dict[str, Path]:

@@ -3,7 +3,7 @@ gateway's index follows them exactly.
 
 The truth is the simulator's block pool: every hash some block holds, turned into the
 gateway's hash by walking the pool's own record of each block's parent, tokens, LoRA and salt
-(``BlockPool.lineage``) with ``router.blocks``. The events, the wire and the subscriber play no
+(``BlockPool.lineage``) with ``router.core.blocks``. The events, the wire and the subscriber play no
 part in computing it.
 """
 
@@ -18,11 +18,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.blocks import continue_chain, root_hash
+from router.core.blocks import continue_chain, root_hash
 from router.index import MemoryIndex
 from router.index.redis import make_client
 from router.kv_events import Endpoints, KVEventSubscriber
-from router.kv_wire import BlockStored, Skipped, WireError, decode_batch, parse_frames
+from router.kv_events.wire import BlockStored, Skipped, WireError, decode_batch, parse_frames
 from tests.helpers import post, wait_for
 
 BS = 16

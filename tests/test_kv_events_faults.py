@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.sim.kvcache import block_hashes
-from router.blocks import continue_chain, root_hash
+from router.core.blocks import continue_chain, root_hash
 from router.index import MemoryIndex
 from router.kv_events import Endpoints, KVEventSubscriber
 from tests.helpers import post

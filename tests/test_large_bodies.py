@@ -1,6 +1,6 @@
-"""Large bodies within the limits: parsed in pieces (router/json_pieces.py) to the very value
+"""Large bodies within the limits: parsed in pieces (router/intake/json_pieces.py) to the very value
 ``json.loads`` makes, and forwarded as the client's bytes with the keys the gateway changed
-appended (router/parse.py ``forwarded_bytes``), never serialised again whole."""
+appended (router/intake/parse.py ``forwarded_bytes``), never serialised again whole."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import aiohttp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import json_pieces
-from router.parse import forwarded_bytes, parse_json_object
+from router.intake import json_pieces
+from router.intake.parse import forwarded_bytes, parse_json_object
 from tests.helpers import chat_body
 
 scalars = (

@@ -1,4 +1,4 @@
-"""The lazy tail (router/prompt/lazy.py, router/lazy_tail.py) decides exactly as full
+"""The lazy tail (router/prompt/lazy.py, router/routing/lazy_tail.py) decides exactly as full
 tokenization does, and records the same hashes in the end.
 
 A real gateway in front of simulated replicas (loopback HTTP for their health and models), the
@@ -25,14 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtest.replica import SimConfig, SimReplica
-from router.blocks import block_hashes
 from router.config import load_config
+from router.core.blocks import block_hashes
 from router.gateway import Gateway
 from router.index import MemoryIndex
-from router.lazy_tail import policy_allows, tail_of
+from router.intake.routed_request import RoutedRequest
 from router.prompt import Renderer
 from router.prompt.lazy import cut_rule, cuts
-from router.request import RoutedRequest
+from router.routing.lazy_tail import policy_allows, tail_of
 from router.schedule import from_config
 from router.schedule.ring import HashRing
 from tests.conftest import TOKENIZER_DIR

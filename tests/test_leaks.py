@@ -109,7 +109,7 @@ async def test_credentials_are_in_no_log_line(tmp_path, fleet, gateway, caplog):
         status, _, _ = await post(s, gw.url + "/v1/chat/completions", chat_body("hi"), ok)
         assert status == 200
     # Any logger of the process, at any level, whatever the message says.
-    logging.getLogger("router.discovery").debug("retrying with Authorization: Bearer %s", KEY)
+    logging.getLogger("router.fleet.discovery").debug("retrying with Authorization: Bearer %s", KEY)
     logging.getLogger("some.library").debug("x-api-key=%s cookie=%s", KEY, "SECRETCOOKIE")
     logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
     assert "Invalid header" in logged  # the malformed heads were logged, redacted

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from router.config import ConfigError, load_config
-from router.errors import APIError
-from router.limits import DEFAULT_LIMITS, BodyLimits, check_body
+from router.core.errors import APIError
+from router.intake.shapes import DEFAULT_LIMITS, BodyLimits, check_body
 from tests.helpers import post
 
 MODEL = "Qwen/Qwen3-0.6B"

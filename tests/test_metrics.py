@@ -1,4 +1,4 @@
-"""The request path's metric families (router/metrics.py ``LoopCounter``, ``LoopGauge``,
+"""The request path's metric families (router/telemetry/metrics.py ``LoopCounter``, ``LoopGauge``,
 ``LoopHistogram``: plain numbers read at scrape time) expose exactly what prometheus_client's
 own Counter, Gauge and Histogram expose for the same updates: the gateway's ``/metrics`` page
 is compared byte for byte with one built from the stock classes."""
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-import router.metrics
-from router.metrics import LoopCounter, LoopGauge, LoopHistogram, Metrics
+import router.telemetry.metrics
+from router.telemetry.metrics import LoopCounter, LoopGauge, LoopHistogram, Metrics
 
 # Values on, between, below and above the bucket bounds; a negative error; infinities.
 OBSERVED = [0.0, 0.0001, 0.00025, 0.0003, 0.001, 1.0, 1.5, 100.0, -1.0, math.inf, 5e-05]
@@ -22,9 +22,9 @@ ERRORS = [-5000, -4096, -17, -1, 0, 0.5, 16, 4096, 4097, -math.inf, math.inf]
 def _stock(monkeypatch: pytest.MonkeyPatch) -> Metrics:
     """Metrics built from prometheus_client's own classes."""
     with monkeypatch.context() as m:
-        m.setattr(router.metrics, "LoopCounter", Counter)
-        m.setattr(router.metrics, "LoopGauge", Gauge)
-        m.setattr(router.metrics, "LoopHistogram", Histogram)
+        m.setattr(router.telemetry.metrics, "LoopCounter", Counter)
+        m.setattr(router.telemetry.metrics, "LoopGauge", Gauge)
+        m.setattr(router.telemetry.metrics, "LoopHistogram", Histogram)
         return Metrics()
 
 

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.bundled import tokenizer_dir
-from router.fleet import Replica
+from router.core.bundled import tokenizer_dir
+from router.fleet.probes import parse_vllm_metrics
+from router.fleet.replicas import Replica
 from router.models import (
     ModelRegistry,
     ModelSpecError,
@@ -24,7 +25,6 @@ from router.models import (
 )
 from router.models.drift import DriftWatch
 from router.models.spec import alias_map
-from router.probes import parse_vllm_metrics
 
 QWEN = str(tokenizer_dir())
 

@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 
 from loadtest.replica import SimConfig, SimReplica
-from router.admin import SERVED_EXTENSIONS
-from router.app import RunningGateway, start_gateway
 from router.config import load_config
+from router.http.app import RunningGateway, start_gateway
+from router.ops.admin import SERVED_EXTENSIONS
 from tests.families import MODELS, family_dir
 from tests.helpers import LONG_SYSTEM, cached_tokens, post, serve
 

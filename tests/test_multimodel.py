@@ -21,11 +21,11 @@ import aiohttp
 import pytest
 
 from loadtest.replica import SimConfig, SimReplica
-from router.admin import SERVED_EXTENSIONS
-from router.app import RunningGateway, start_gateway
-from router.bundled import tokenizer_dir
 from router.config import load_config
+from router.core.bundled import tokenizer_dir
+from router.http.app import RunningGateway, start_gateway
 from router.index.redis import key_prefix, make_client
+from router.ops.admin import SERVED_EXTENSIONS
 from tests.families import MODELS, family_dir
 from tests.helpers import LONG_SYSTEM, cached_tokens, post, wait_for
 from tests.redis_server import RedisServer

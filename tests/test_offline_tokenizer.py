@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router import explain
-from router.diagnose import command as diagnose
+from router.ops import explain
+from router.ops.diagnose import command as diagnose
 from tests.helpers import chat_body
 
 MODEL = "Qwen/Qwen3-0.6B"  # bundled as router/assets/tokenizers/qwen3

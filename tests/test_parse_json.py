@@ -1,5 +1,5 @@
 """Request bodies are read exactly as the stdlib's ``json.loads`` reads them, though orjson
-parses most of them (router/parse.py): same values, same types, same key order, the same
+parses most of them (router/intake/parse.py): same values, same types, same key order, the same
 refusals."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import APIError
-from router.limits import check_body
-from router.parse import parse_body, parse_json_object
+from router.core.errors import APIError
+from router.intake.parse import parse_body, parse_json_object
+from router.intake.shapes import check_body
 
 _scalars = (
     st.none()

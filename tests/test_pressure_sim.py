@@ -6,7 +6,7 @@ from collections import Counter
 
 from loadtest.pressure import PressureParams, conversations, tenant_weights
 from loadtest.pressure_sim import FleetParams, Pool, Req, Sim
-from router.blocks import block_hashes
+from router.core.blocks import block_hashes
 
 
 def _req(ids: list[int], out: int = 0) -> Req:

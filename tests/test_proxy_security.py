@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.upstream import UpstreamError, UpstreamPool
+from router.upstream.client import UpstreamError, UpstreamPool
 from tests.helpers import chat_body
 from tests.test_tenancy import bearer, keys_file
 
@@ -528,7 +528,7 @@ async def test_a_stream_cut_mid_event_still_gets_a_separate_error_event(raw_repl
 
 
 def test_stream_error_shapes():
-    from router.forward import stream_error_event
+    from router.upstream.proxy import stream_error_event
 
     anthropic = stream_error_event("anthropic", "gone")
     assert anthropic.startswith(b"event: error\ndata: ") and anthropic.endswith(b"\n\n")

@@ -1,5 +1,5 @@
 """Honest Python support: CI runs the suite on the lowest and the highest Python pyproject
-admits, and the few 3.11+ APIs the gateway uses go through router/compat.py."""
+admits, and the few 3.11+ APIs the gateway uses go through router/core/compat.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router import compat
+from router.core import compat
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import RunningGateway, start_gateway
 from router.config import load_config
+from router.http.app import RunningGateway, start_gateway
 from tests.conftest import TOKENIZER_DIR
 from tests.helpers import cached_tokens, chat_body, post, wait_for
 from tests.test_serve_start import ENV, free_port

@@ -20,11 +20,11 @@ import pytest
 import redis
 
 from loadtest.replica import SimConfig, SimReplica
-from router.admin import SERVED_EXTENSIONS
-from router.app import RunningGateway, start_gateway
-from router.bundled import tokenizer_dir
 from router.config import ConfigError, load_config
-from router.startup import summary
+from router.core.bundled import tokenizer_dir
+from router.http.app import RunningGateway, start_gateway
+from router.http.startup import summary
+from router.ops.admin import SERVED_EXTENSIONS
 from tests.helpers import LONG_SYSTEM, cached_tokens, post, wait_for
 from tests.redis_ha import (  # noqa: F401  (fixtures)
     LocalCluster,

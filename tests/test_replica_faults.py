@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from router.fleet import Fleet
-from router.outlier import OutlierPolicy
+from router.fleet.outlier import OutlierPolicy
+from router.fleet.replicas import Fleet
 from tests.helpers import chat_body, post, wait_for
 
 REPLICA_HDR = "x-prefix-router-replica"

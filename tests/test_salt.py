@@ -1,4 +1,4 @@
-"""router.salt: vLLM's cache_salt rule, the one check the renderer, the tenancy policy and the
+"""router.core.salt: vLLM's cache_salt rule, the one check the renderer, the tenancy policy and the
 simulated replica share (so they cannot disagree on what is valid)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from loadtest.sim.protocol import cache_salt
-from router.errors import APIError
-from router.salt import validate_cache_salt
+from router.core.errors import APIError
+from router.core.salt import validate_cache_salt
 from tests.prompt.common import renderer
 
 EMPTY = "Parameter 'cache_salt' must be a non-empty string if provided."

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 import yaml
 
-from router.bundled import tokenizer_dir
 from router.config import dump_yaml, load_config
+from router.core.bundled import tokenizer_dir
 from router.prompt import Renderer
 from router.prompt.fast_encode import ENV as FAST_TOKENIZER_ENV
 from tests.helpers import chat_body, post, wait_for

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.bundled import tokenizer_dir, tokenizer_for_model
+from router.core.bundled import tokenizer_dir, tokenizer_for_model
 from tests.helpers import chat_body, post
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +139,8 @@ async def test_serve_waits_for_a_replica_that_is_still_starting(caplog) -> None:
     """Started alongside its replicas (compose starts everything at once), a gateway with no
     --tokenizer waits for one to report its model instead of exiting."""
     from loadtest.replica import SimConfig, SimReplica
-    from router.app import start_gateway
     from router.config import load_config
+    from router.http.app import start_gateway
     from tests.helpers import chat_body, post, wait_for
 
     caplog.set_level(logging.INFO, logger="prefix_router")

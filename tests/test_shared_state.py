@@ -11,8 +11,8 @@ import pytest
 from redis.asyncio import Connection, Redis
 from redis.crc import key_slot
 
+from router.fleet.shared_state import FleetSync, Load, new_gateway_id
 from router.index.redis import make_client, model_tag
-from router.shared_state import FleetSync, Load, new_gateway_id
 from tests.redis_server import RedisServer, redis_server_fixture  # noqa: F401  (fixture)
 
 MODEL = "Qwen/Qwen3-8B"

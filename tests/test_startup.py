@@ -145,8 +145,8 @@ async def test_health_check_reasons(fleet, gateway, status_server: str, caplog) 
 async def test_waiting_for_a_model_is_said_at_once_with_the_reason(caplog) -> None:  # type: ignore[no-untyped-def]
     """No --tokenizer and no replica up: start-up says at once that it waits, for what, and
     why the replica is not answering."""
-    from router.app import start_gateway
     from router.config import load_config
+    from router.http.app import start_gateway
 
     caplog.set_level(logging.INFO, logger="prefix_router")
     url = f"http://127.0.0.1:{free_port()}"

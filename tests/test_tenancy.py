@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from router.config import ConfigError, load_config
-from router.salt import validate_cache_salt
-from router.tenancy import Tenancy
+from router.core.salt import validate_cache_salt
+from router.tenancy.tenants import Tenancy
 from tests.helpers import LONG_SYSTEM, chat_body, post, wait_for
 
 BLOCKS_HDR = "x-prefix-router-cached-blocks"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from router.core.token_bucket import TokenBucket
 from router.flow.ratelimit import Bucket
-from router.token_bucket import TokenBucket
 
 
 def test_starts_full_then_refills_at_its_rate() -> None:

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt import chunks, scope
 from tests.helpers import chat_body, post
 

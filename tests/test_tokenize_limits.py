@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize bodies are walked by router/limits.py like generation bodies
+"""/tokenize and /detokenize bodies are walked by router/intake/shapes.py like generation bodies
 (issue 18): the replica renders and tokenizes them too, so the same hostile shapes get the
 same 400 naming the field, from the gateway, before anything is forwarded."""
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.blocks import ChainCache, block_hashes, cacheable_blocks
 from router.config import ConfigError, add_arguments, dump_yaml, load_config
+from router.core.blocks import ChainCache, block_hashes, cacheable_blocks
 from router.index import MemoryIndex
 from router.schedule import Candidate, HashRing, Rings, build_named
 from tests.schedule.common import req as _req
@@ -311,7 +311,7 @@ def test_a_popular_prefix_at_light_load_spreads_by_recent_share():
 
 
 def test_usage_of_takes_the_last_usage_key_outside_strings() -> None:
-    from router.forward import usage_of
+    from router.upstream.proxy import usage_of
 
     chat = b'{"usage": {"prompt_tokens": 9, "completion_tokens": 4, '
     chat += b'"prompt_tokens_details": {"cached_tokens": 8}}}'

@@ -1,4 +1,4 @@
-"""The proxy path's HTTP/1.1 client (router/upstream.py) against a raw asyncio server on a
+"""The proxy path's HTTP/1.1 client (router/upstream/client.py) against a raw asyncio server on a
 loopback socket that answers in the ways real servers do: by length, chunked, until close,
 dropping idle keep-alive connections, hanging, or sending garbage."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.upstream import READ_AHEAD_BYTES, UpstreamError, UpstreamPool
+from router.upstream.client import READ_AHEAD_BYTES, UpstreamError, UpstreamPool
 
 
 @dataclass

@@ -12,7 +12,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from router.upstream import UpstreamPool
+from router.upstream.client import UpstreamPool
 from tests.helpers import chat_body, post, serve
 from tests.test_proxy_security import parse_head, raw_replica  # noqa: F401  (the fixture)
 

@@ -12,7 +12,7 @@ from loadtest import workloads as wl
 from loadtest.ideal import IdealCache, IdealRequest, ideal_hit_rate
 from loadtest.metrics_scrape import delta, fleet_hit_rate, from_text, parse_prometheus
 from loadtest.runner import default_renderer
-from router.blocks import block_hashes
+from router.core.blocks import block_hashes
 
 
 @pytest.fixture(scope="module")

@@ -778,7 +778,7 @@ def expected_of(out: dict[str, Any]) -> dict[str, Any]:
 
 def renderer_result(renderer: Any, body: dict[str, Any]) -> dict[str, Any]:
     """What router.prompt.Renderer gives for a body, in the fixture's shape."""
-    from router.errors import APIError
+    from router.core.errors import APIError
 
     try:
         if "messages" in body:
@@ -817,7 +817,7 @@ def main() -> int:
     results = run_oracle(CASES, path)
 
     sys.path.insert(0, str(ROOT))
-    from router.bundled import tokenizer_dir
+    from router.core.bundled import tokenizer_dir
     from router.prompt import Renderer
 
     tok_dir = tokenizer_dir()

@@ -30,7 +30,7 @@ from loadtest.sim.protocol import (
 )
 from loadtest.sim.stream import open_sse
 from router.api import anthropic, responses
-from router.errors import APIError
+from router.core.errors import APIError
 
 STORE_CAPACITY = 10_000
 

@@ -15,8 +15,7 @@ import signal
 from loadtest.sim.config import DEFAULT_TOKENIZER, SimConfig
 from loadtest.sim.server import SimReplica
 from loadtest.sim.tokens import get_renderer, get_words
-from router.prompt import Renderer
-from router.usage import (
+from router.ops.command_line import (
     HelpFormatter,
     OneLineParser,
     UsageError,
@@ -28,6 +27,7 @@ from router.usage import (
     one_line,
     run,
 )
+from router.prompt import Renderer
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

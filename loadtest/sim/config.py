@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 
 DEFAULT_TOKENIZER = str(tokenizer_dir())
 VLLM_VERSION = "0.34.0"

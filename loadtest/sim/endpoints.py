@@ -13,7 +13,7 @@ from aiohttp import web
 from loadtest.sim.config import VLLM_VERSION
 from loadtest.sim.host import Host
 from loadtest.sim.protocol import OFFLOAD_BYTES, json_response, offload, opt_bool, read_json
-from router.errors import APIError, bad_request
+from router.core.errors import APIError, bad_request
 
 
 class Endpoints:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.errors import APIError
+from router.core.errors import APIError
 
 
 class Faults:

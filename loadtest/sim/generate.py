@@ -34,8 +34,8 @@ from loadtest.sim.protocol import (
     read_json,
     stream_options,
 )
-from router.errors import APIError, bad_request
-from router.parse import skips_cache_read
+from router.core.errors import APIError, bad_request
+from router.intake.parse import skips_cache_read
 
 
 class Generation:

@@ -1,6 +1,6 @@
 """vLLM's prefix cache, reimplemented as the ground truth the router is tested against.
 
-Deliberately independent of ``router.blocks``: the router's fast XXH3 chain must make the same
+Deliberately independent of ``router.core.blocks``: the router's fast XXH3 chain must make the same
 sharing decisions as this, and a test can only show that if the two are written separately.
 
 What is reproduced (vLLM v1, ``vllm/v1/core/kv_cache_utils.py`` and ``block_pool.py``):

@@ -37,7 +37,7 @@ import aiohttp
 
 from loadtest.sim.config import SimConfig
 from loadtest.sim.engine import Engine, Seq
-from router.errors import bad_request
+from router.core.errors import bad_request
 
 log = logging.getLogger("loadtest.sim")
 

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from router.errors import bad_request
-from router.salt import validate_cache_salt
+from router.core.errors import bad_request
+from router.core.salt import validate_cache_salt
 
 _T = TypeVar("_T")
 

@@ -27,7 +27,7 @@ from loadtest.sim.nixl import SIDE_CHANNEL_PATH, Link, NixlConnector
 from loadtest.sim.protocol import json_response
 from loadtest.sim.stream import Streamer
 from loadtest.sim.tokens import Words, get_renderer, get_words
-from router.errors import APIError, bad_request
+from router.core.errors import APIError, bad_request
 from router.prompt import Renderer
 
 log = logging.getLogger("loadtest.sim")

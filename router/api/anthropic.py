@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import APIError, bad_request
+from router.core.errors import APIError, bad_request
 
 _BILLING_HEADER = "x-anthropic-billing-header"
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).

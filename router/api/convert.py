@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from router.api import anthropic, responses
-from router.request import Endpoint
+from router.intake.routed_request import Endpoint
 
 CONVERTERS: Mapping[Endpoint, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "messages": anthropic.to_chat,

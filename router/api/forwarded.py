@@ -4,7 +4,7 @@ replica before the first byte. JSON bodies, and multipart ones (audio uploads) a
 
 Each counts against its tenant's rate limits as a generation request does: rpm before its
 body is read, tpm on an estimate of its input (its text over ``CHARS_PER_TOKEN``, token ids
-one each: router/costs.py; nothing renders it here). Those that run the model on a prompt
+one each: router/intake/costs.py; nothing renders it here). Those that run the model on a prompt
 (``QUEUED_PATHS``: pooling, scoring, reranking) also take a prefill slot of the body's model
 from flow control, waiting in their tenant's flow while its replicas are saturated."""
 
@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router import costs
-from router.accounting import Attempt
-from router.body import decode_body
-from router.errors import APIError, bad_request
-from router.fleet import Fleet
+from router.core.errors import APIError, bad_request
+from router.fleet.replicas import Fleet
 from router.flow.ticket import Ticket
-from router.forwarding import Job, least_loaded
+from router.intake import costs
+from router.intake.body import decode_body
+from router.intake.parse import forwarded_bytes
 from router.models.fallback import CHARS_PER_TOKEN
-from router.parse import forwarded_bytes
+from router.routing.accounting import Attempt
+from router.routing.forwarder import Job, least_loaded
 
 if TYPE_CHECKING:
-    from router.handlers import Handlers
+    from router.http.handlers import Handlers
 
 # POST routes vLLM 0.34.0 serves beside the routed ones (vllm/entrypoints/.../api_router.py).
 POST_PATHS = (
@@ -133,7 +133,7 @@ async def forward_post(
     raw, content_type = await _read(handlers, request, tenant)
     with handlers.hold(request, tenant, raw):
         model, body = await _model_of(handlers, raw, content_type.lower())
-        # The tenant's allow-lists (router/tenancy.py), as for generation requests.
+        # The tenant's allow-lists (router/tenancy/tenants.py), as for generation requests.
         if body is not None:
             handlers.path.tenancy.check_fields(tenant, body)
         handlers.path.check_model(tenant, model)

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from router.api import anthropic
-from router.errors import APIError
+from router.core.errors import APIError
 
 
 def _routed(app: web.Application, method: str, path: str) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.errors import bad_request, clip
+from router.core.errors import bad_request, clip
 
 
 def _first_text(parts: Any) -> str:

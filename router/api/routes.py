@@ -21,17 +21,17 @@ from aiohttp import web
 from router.api import anthropic
 from router.api.forwarded import GET_PATHS, POST_PATHS, forward_get, forward_post
 from router.api.response_ids import ResponseReplicas, new_response_id, response_id_in
-from router.errors import APIError, bad_request, clip
-from router.forwarding import PinnedJob
-from router.held import waiting
+from router.core.errors import APIError, bad_request, clip
+from router.intake.held import waiting
+from router.routing.forwarder import PinnedJob
 
 if TYPE_CHECKING:
-    from router.fleet import Replica
-    from router.forward import Outcome
+    from router.fleet.replicas import Replica
     from router.gateway import Gateway
-    from router.handlers import Handlers
-    from router.request import RoutedRequest
+    from router.http.handlers import Handlers
+    from router.intake.routed_request import RoutedRequest
     from router.schedule import Decision
+    from router.upstream.proxy import Outcome
 
 
 class _LearnResponseIds:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING
 
-from router.redis_client import parse_redis_url
+from router.core.redis_client import parse_redis_url
 from router.schedule import ScheduleError, check_config
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ def problems(config: Config) -> list[str]:
         )
     if config.routing.block_size is not None and config.routing.block_size <= 0:
         problems.append(f"block_size must be positive, got {config.routing.block_size}")
-    from router.held import HELD_FACTOR
+    from router.intake.held import HELD_FACTOR
     from router.models.spec import ModelSpecError, alias_map, parse_models
 
     try:

@@ -101,7 +101,7 @@ class Routing:
     lazy_tail: bool = _opt(
         True,
         "route on a prompt's head and tokenize the rest off the critical path where the "
-        "decision is provably the same (router/lazy_tail.py)",
+        "decision is provably the same (router/routing/lazy_tail.py)",
     )
     decision_headers: bool | None = _opt(
         None,
@@ -113,7 +113,7 @@ class Routing:
 
 @dataclass
 class Health:
-    """Active health checks, metric scrapes and outlier ejection (router/outlier.py)."""
+    """Active health checks, metric scrapes and outlier ejection (router/fleet/outlier.py)."""
 
     health_interval_s: float = _opt(2.0, "seconds between active /health checks")
     metrics_interval_s: float = _opt(1.0, "seconds between scrapes of the replicas' /metrics")
@@ -148,7 +148,7 @@ class Health:
 
 @dataclass
 class Forwarding:
-    """The upstream proxy: timeouts, retries, forwarded headers (router/forward.py)."""
+    """The upstream proxy: timeouts, retries, forwarded headers (router/upstream/proxy.py)."""
 
     connect_timeout_s: float = _opt(5.0, "upstream connect timeout")
     first_byte_timeout_s: float = _opt(
@@ -186,7 +186,7 @@ class Forwarding:
 
 @dataclass
 class Limits:
-    """Client connections and request bodies, bounded before any work (router/limits.py, router/server.py)."""
+    """Client connections and request bodies, bounded before any work (router/intake/shapes.py, router/http/connections.py)."""
 
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest accepted request body")
     body_timeout_s: float = _opt(
@@ -303,7 +303,7 @@ class KvEvents:
 
 @dataclass
 class Discovery:
-    """The replicas: listed, and found by DNS (router/discovery.py)."""
+    """The replicas: listed, and found by DNS (router/fleet/discovery.py)."""
 
     replicas: list[str] = _opt(
         [], "a vLLM replica base URL, e.g. http://10.0.0.1:8000 (repeatable)"
@@ -317,7 +317,7 @@ class Discovery:
 
 @dataclass
 class Auth:
-    """Tenancy: API keys, cache salts, per-tenant settings, the admin key (router/tenancy.py)."""
+    """Tenancy: API keys, cache salts, per-tenant settings, the admin key (router/tenancy/tenants.py)."""
 
     enabled: bool = _opt(
         False, "require Authorization: Bearer <key> (keys from api_keys_file)", flat="auth"

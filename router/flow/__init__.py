@@ -4,5 +4,5 @@
 limits), ``sessions`` (which flow inside a tenant), ``controller`` (admission, release, shedding:
 the asyncio glue), ``ticket`` (a released request's slot), ``metrics``,
 ``shared`` (per-tenant usage across gateways through Redis). Nothing is imported here, so
-``router.tenancy`` can read ``router.flow.settings`` without pulling in the rest.
+``router.tenancy.tenants`` can read ``router.flow.settings`` without pulling in the rest.
 """

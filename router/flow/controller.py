@@ -30,14 +30,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.errors import APIError
+from router.core.errors import APIError
+from router.core.tasks import cancel_and_wait
 from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
 from router.flow.metrics import FlowMetrics
 from router.flow.ratelimit import RateLimiter
 from router.flow.saturation import Capacity, ReplicaView, Thresholds, Waiting, capacity
 from router.flow.settings import FlowSettings
 from router.flow.ticket import Ticket, shed_error, too_large
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.flow")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from router.token_bucket import TokenBucket
+from router.core.token_bucket import TokenBucket
 
 
 class Bucket(TokenBucket):

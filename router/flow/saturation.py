@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 
 class ReplicaView(Protocol):
-    """What the judge reads of ``router.fleet.Replica``."""
+    """What the judge reads of ``router.fleet.replicas.Replica``."""
 
     url: str
     remote_prefill_tokens: int

@@ -19,10 +19,10 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from router.core.tasks import cancel_and_wait
+from router.fleet.shared_state import FLEET_SCOPE
 from router.flow.controller import FlowController
 from router.index.redis import key_prefix
-from router.shared_state import FLEET_SCOPE
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.flow")
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.errors import APIError
+from router.core.errors import APIError
 
 
 class Slots(Protocol):

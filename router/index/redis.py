@@ -61,9 +61,9 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from router.core.redis_client import Client, aclose, make_client
+from router.core.redis_client import ping as ping_client
 from router.index.memory import DEFAULT_CAPACITY_BLOCKS
-from router.redis_client import Client, aclose, make_client
-from router.redis_client import ping as ping_client
 
 DEFAULT_NAMESPACE = "prefix-router"
 DEFAULT_TTL_S = 24 * 3600.0
@@ -283,7 +283,7 @@ def key_prefix(namespace: str, model: str) -> str:
 
 
 class RedisIndex:
-    """``PrefixIndex`` over a Redis client (router/redis_client.py: one server, a Cluster or
+    """``PrefixIndex`` over a Redis client (router/core/redis_client.py: one server, a Cluster or
     a Sentinel's master). Every call touches one model's keys, so one Cluster slot; every
     method is one round trip (after the scripts are cached server-side)."""
 

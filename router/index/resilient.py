@@ -43,10 +43,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from router.core.redis_client import error_text
+from router.core.tasks import cancel_and_wait
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
-from router.redis_client import error_text
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Precise mode: keep the index exact per replica from vLLM's own KV cache events.
 
-One ZMQ SUB socket per replica (``router.kv_wire`` decodes). A ``BlockStored`` names vLLM's
+One ZMQ SUB socket per replica (``router.kv_events.wire`` decodes). A ``BlockStored`` names vLLM's
 hashes, the parent's vLLM hash and the blocks' token ids; the gateway's hash of each block
-is computed with ``router.blocks``' chain from the parent's *gateway* hash (kept per replica,
+is computed with ``router.core.blocks``' chain from the parent's *gateway* hash (kept per replica,
 vLLM hash -> gateway hash), or from ``root_hash(salt, lora)`` for block 0, the salt read from
 block 0's extra keys and the adapter from ``lora_name``: so salted and LoRA blocks stay apart
 exactly as on the replica. Stored blocks are recorded, removed ones forgotten, and
@@ -75,8 +75,8 @@ from router.kv_events.subscriber import KVEventSubscriber
 
 if TYPE_CHECKING:
     from router.config import Config
-    from router.fleet import Fleet
-    from router.fleet_mode import FleetMode
+    from router.fleet.mode import FleetMode
+    from router.fleet.replicas import Fleet
 
 __all__ = [
     "Endpoints",

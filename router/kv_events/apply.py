@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router import blocks
+from router.core import blocks
 from router.index.base import PrefixIndex, SharedIndex
 from router.index.resilient import ResilientIndex
 from router.kv_events.holders import counts
 from router.kv_events.streams import Op, Stream
-from router.kv_wire import (
+from router.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

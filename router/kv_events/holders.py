@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from router.kv_wire import MEDIUM_GPU, Hash
+from router.kv_events.wire import MEDIUM_GPU, Hash
 
 MEMO_ENTRIES = 65_536  # vLLM -> gateway hashes of recently removed blocks (see ``parent``)
 PRIMARY_GROUP = 0

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from router.redis_client import Client
-from router.tasks import cancel_and_wait
+from router.core.redis_client import Client
+from router.core.tasks import cancel_and_wait
 
 log = logging.getLogger("prefix_router.kv_events")
 

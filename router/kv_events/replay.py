@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from router.kv_events.streams import Stream
-from router.kv_wire import WireError, digest, parse_frames
+from router.kv_events.wire import WireError, digest, parse_frames
 
 log = logging.getLogger("prefix_router.kv_events")
 

@@ -24,7 +24,7 @@ from router.kv_events.precise_index import PreciseIndex
 from router.kv_events.replay import Replayer
 from router.kv_events.streams import Endpoints, Stream
 from router.kv_events.takeover import Takeovers
-from router.kv_wire import WireError, parse_frames
+from router.kv_events.wire import WireError, parse_frames
 
 log = logging.getLogger("prefix_router.kv_events")
 

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.bundled import model_for_tokenizer
+from router.core.bundled import model_for_tokenizer
+from router.core.record import record
 from router.models import blocksize, tokenizers
 from router.models.drift import DriftWatch
 from router.models.spec import ModelSpec, adapter_paths, alias_map, parse_models
 from router.prompt import Renderer
-from router.record import record
 
 log = logging.getLogger("prefix_router.models")
 
@@ -32,7 +32,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class ReplicaView(Protocol):
-    """What the registry reads of a replica (router.fleet.Replica has it)."""
+    """What the registry reads of a replica (router.fleet.replicas.Replica has it)."""
 
     url: str
     healthy: bool

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bundled import tokenizer_for_model
+from router.core.bundled import tokenizer_for_model
 from router.prompt import Renderer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -92,7 +92,7 @@ def resolve_name(name: str) -> Path | None:
     p = Path(name).expanduser()
     if _has_tokenizer(p):
         return p
-    # A model id with a bundled tokenizer resolves as router/loading.py resolves --tokenizer
+    # A model id with a bundled tokenizer resolves as router/models/loading.py resolves --tokenizer
     # without replicas: the same flag must not mean two things by the fleet's state.
     return cached_snapshot(name) or tokenizer_for_model(name)
 

@@ -3,7 +3,7 @@ events, a new model's tokenizer loaded off the event loop), answers the request 
 questions about a request's model (its route, the replicas that may take it, its context, a
 replica's block size and index namespace, the decoder diagnostics use), loads a LoRA adapter
 where the scheduler put a request without it, and keeps the per-model counters and the drift
-watch. The request path (router/request_path.py) asks; only this module changes the registry
+watch. The request path (router/routing/request_path.py) asks; only this module changes the registry
 after start-up.
 """
 
@@ -18,15 +18,15 @@ from typing import Any
 import aiohttp
 
 from router.config import Config
-from router.errors import APIError, clip
-from router.fleet import Fleet, Replica
-from router.forward import UpstreamUnavailable
-from router.metrics import Metrics
+from router.core.errors import APIError, clip
+from router.fleet.replicas import Fleet, Replica
+from router.intake.routed_request import RoutedRequest
 from router.models import download
 from router.models.adapters import AdapterLoads, LoadResult
 from router.models.registry import ModelEntry, ModelRegistry, Route
 from router.prompt import Renderer
-from router.request import RoutedRequest
+from router.telemetry.metrics import Metrics
+from router.upstream.proxy import UpstreamUnavailable
 
 log = logging.getLogger("prefix_router")
 

@@ -21,6 +21,7 @@ One job per module:
   fields       lax request values, plain-JSON copies, errors
 """
 
+from router.core.salt import validate_cache_salt
 from router.prompt.completion import MAX_COMPLETION_PROMPTS
 from router.prompt.fields import TokenIds
 from router.prompt.jinja import ContentFormat, detect_content_format
@@ -28,7 +29,6 @@ from router.prompt.limits import DEFAULT_MAX_PROMPT_CHARS
 from router.prompt.renderer import Renderer
 from router.prompt.scope import NeedsThread, cache_scope_seed
 from router.prompt.segments import DEFAULT_SEGMENT_CACHE_TOKENS
-from router.salt import validate_cache_salt
 
 __all__ = [
     "DEFAULT_MAX_PROMPT_CHARS",

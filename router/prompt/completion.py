@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from router.core.salt import validate_cache_salt
 from router.prompt.fields import TokenIds, as_token_id, bool_field, check_mm_kwargs, error, lax_bool
 from router.prompt.limits import PromptLimits, Truncation
-from router.salt import validate_cache_salt
 
 MAX_COMPLETION_PROMPTS = 1024
 """vLLM's ``VLLM_MAX_COMPLETION_PROMPTS`` default."""

@@ -7,7 +7,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from router.errors import APIError, bad_request
+from router.core.errors import APIError, bad_request
 
 # Prompt token ids: an ``array('I')`` from the segment cache, a list elsewhere.
 TokenIds = Sequence[int]

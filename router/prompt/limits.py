@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt.fields import TokenIds, as_token_id, error, prompt_too_long
 
 DEFAULT_MAX_PROMPT_CHARS = 4_000_000

@@ -10,11 +10,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from router.core.salt import validate_cache_salt
 from router.prompt import chat_params
 from router.prompt.fields import bool_field, check_mm_kwargs, error, plain, prompt_too_long
 from router.prompt.jinja import ContentFormat
 from router.prompt.template import ChatTemplate
-from router.salt import validate_cache_salt
 
 # Content part type -> the key holding its text (chat_message.MM_PARSER_MAP / TEXT_PART_TYPES).
 _TEXT_PARTS = {

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 import xxhash
 
-from router.errors import APIError
+from router.core.errors import APIError
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt.fields import error, prompt_too_long
 from router.prompt.jinja import (
     ContentFormat,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import xxhash
 
-from router.blocks import pack_tokens
-from router.request import RoutedRequest
+from router.core.blocks import pack_tokens
+from router.intake.routed_request import RoutedRequest
 
 
 def routing_key(req: RoutedRequest) -> int:

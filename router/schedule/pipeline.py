@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.request import RoutedRequest
+from router.intake.routed_request import RoutedRequest
 from router.schedule.keys import routing_key
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import RingSource

@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from router.blocks import cacheable_blocks
-from router.record import record
-from router.request import RoutedRequest
+from router.core.blocks import cacheable_blocks
+from router.core.record import record
+from router.intake.routed_request import RoutedRequest
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import HashRing
 
@@ -164,7 +164,7 @@ class Plugin(Protocol):
     # The lifecycle hooks it implements.
     hooks: ClassVar[frozenset[Hook]] = frozenset()
     # Decides the same on a lazy head as on the whole prompt, given the same matched blocks
-    # (router/lazy_tail.py routes on a head only when every plugin does): a filter or picker
+    # (router/routing/lazy_tail.py routes on a head only when every plugin does): a filter or picker
     # that never reads the prompt's length; a scorer whose terms are integers (token or
     # request counts), so the tail's estimate, added alike to every candidate, changes no
     # comparison.

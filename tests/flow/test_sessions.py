@@ -8,7 +8,7 @@ import pytest
 
 from router.config import ConfigError, load_config
 from router.flow.sessions import ResponseChains, session_of
-from router.tenancy import Tenancy
+from router.tenancy.tenants import Tenancy
 
 
 def test_claude_code_session_header_and_metadata() -> None:

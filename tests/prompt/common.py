@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from router.bundled import tokenizer_dir
-from router.errors import APIError
+from router.core.bundled import tokenizer_dir
+from router.core.errors import APIError
 from router.prompt import Renderer
 
 ROOT = Path(__file__).resolve().parents[2]

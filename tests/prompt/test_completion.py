@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt import Renderer
 from tests.prompt.common import (
     both,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from router.bundled import tokenizer_dir
+from router.core.bundled import tokenizer_dir
 from router.prompt import fast_encode
 from router.prompt.fast_encode import (
     FAST,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt import Renderer
 from tests.prompt.common import (
     tokenizer,

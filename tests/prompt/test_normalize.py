@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt import Renderer
 from tests.prompt.common import (
     asst,

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import blocks
 from router.config import Config
+from router.core import blocks
 from router.gateway import Gateway
 from router.models.registry import ModelEntry
 from router.prompt import Renderer
 from router.prompt.prefix_state import PromptIds
-from router.request_path import RequestPath
+from router.routing.request_path import RequestPath
 from tests.prompt.common import tokenizer
 
 # A template that renders every turn the same whatever follows (keeps reasoning), in the

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt.sandbox import ChatSandbox
 from router.prompt.template import ChatTemplate
 from tests.families import FAMILY_NAMES, family_dir

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import APIError
+from router.core.errors import APIError
 from router.prompt import NeedsThread, Renderer
 from tests.prompt.common import (
     renderer,

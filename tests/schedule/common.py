@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from router.blocks import block_hashes, cacheable_blocks
-from router.request import RoutedRequest
+from router.core.blocks import block_hashes, cacheable_blocks
+from router.intake.routed_request import RoutedRequest
 from router.schedule import Candidate, Decision
 
 

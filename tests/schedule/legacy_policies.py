@@ -14,8 +14,8 @@ from typing import Protocol
 
 import xxhash
 
-from router.blocks import cacheable_blocks, pack_tokens
-from router.request import RoutedRequest
+from router.core.blocks import cacheable_blocks, pack_tokens
+from router.intake.routed_request import RoutedRequest
 from router.schedule.ring import HashRing, load_bound
 
 

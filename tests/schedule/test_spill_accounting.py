@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from router.metrics import Metrics
 from router.schedule import Candidate, HashRing, build_named
 from router.schedule.observed import ObservedTTFT
+from router.telemetry.metrics import Metrics
 from tests.schedule.common import req
 
 URLS = ["a", "b", "c", "d"]

@@ -1,0 +1,1 @@
+"""The lowest layer: records, block hashes, errors, salts, tasks; it imports nothing above it."""
