@@ -4,9 +4,11 @@ Every field is a flag (``--block-size``), a config key (``block_size``, at top l
 section: ``routing: {block_size: 32}``) and an environment variable
 (``PREFIX_ROUTER_BLOCK_SIZE``; lists comma-separated). In code a field is read from its section
 (``config.routing.block_size``). ``prefix-router serve --print-config`` prints the effective
-result. sections.py: the fields; load.py: reading them; checks.py: their checks.
+result. sections.py: the fields; composed.py: ``Config`` and the flat names; load.py: reading them;
+checks.py: their checks.
 """
 
+from router.config.composed import FIELDS, Config, FieldRef
 from router.config.errors import ConfigError, did_you_mean, mask_url_credentials
 from router.config.load import (
     ENV_PREFIX,
@@ -17,11 +19,8 @@ from router.config.load import (
     load_config,
 )
 from router.config.sections import (
-    FIELDS,
     Auth,
-    Config,
     Discovery,
-    FieldRef,
     Fleet,
     Flow,
     Forwarding,

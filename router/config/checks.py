@@ -9,7 +9,7 @@ from router.core.redis_client import parse_redis_url
 from router.schedule import ScheduleError, check_config
 
 if TYPE_CHECKING:
-    from router.config.sections import Config
+    from router.config.composed import Config
 
 
 def problems(config: Config) -> list[str]:

@@ -17,8 +17,9 @@ from typing import Any
 
 import yaml
 
+from router.config.checks import problems as check_problems
+from router.config.composed import FIELDS, SECTION_TYPES, Config
 from router.config.errors import ConfigError, did_you_mean
-from router.config.sections import FIELDS, SECTION_TYPES, Config
 from router.schedule import ScheduleError
 from router.schedule.spec import lift as lift_schedule
 
@@ -263,7 +264,7 @@ def load_config(
             continue
         values[name] = value
     config = Config.from_flat(values)
-    problems += config.problems()
+    problems += check_problems(config)
     if problems:
         raise ConfigError(problems)
     return config

@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import router.models.blocksize as blocksize
+import router.models.tokenizers as tokenizers
 from router.core.bundled import model_for_tokenizer
 from router.core.record import record
-from router.models import blocksize, tokenizers
 from router.models.drift import DriftWatch
 from router.models.spec import ModelSpec, adapter_paths, alias_map, parse_models
 from router.prompt import Renderer

@@ -10,8 +10,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import router.prompt.chat_params as chat_params
 from router.core.salt import validate_cache_salt
-from router.prompt import chat_params
 from router.prompt.fields import bool_field, check_mm_kwargs, error, plain, prompt_too_long
 from router.prompt.jinja import ContentFormat
 from router.prompt.template import ChatTemplate

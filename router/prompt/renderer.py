@@ -12,7 +12,8 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from router.prompt import lazy, scope
+import router.prompt.lazy as lazy
+import router.prompt.scope as scope
 from router.prompt.completion import CompletionPrompts, reused_prompt_token_ids
 from router.prompt.fast_encode import FAST, FAST_MAX_CHARS
 from router.prompt.fields import TokenIds, as_list, plain, text_size

@@ -23,7 +23,8 @@ from typing import Any
 
 import xxhash
 
-from router.prompt import chunks, scope
+import router.prompt.chunks as chunks
+import router.prompt.scope as scope
 from router.prompt.fast_encode import FAST, REFERENCE, PlainEncoder, plain_encoder
 from router.prompt.fields import TokenIds, error
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.recent import RecentCounts
 from router.schedule.registry import PluginSpec, ProfileSpec
 

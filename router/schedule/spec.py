@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.pipeline import Pipeline
 from router.schedule.registry import PluginSpec, ProfileSpec
 from router.schedule.ring import HashRing, RingSource

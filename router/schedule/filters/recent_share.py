@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.types import Cycle, Filter
 
 # The share bound applies once the fleet has recently taken this many requests per replica

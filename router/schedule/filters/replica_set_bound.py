@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.keys import routing_key
 from router.schedule.recent import PrefixRates
 from router.schedule.types import Cycle, Decision, Filter, Hook

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.keys import tie_key
 from router.schedule.types import Branch, Cycle, Pick, Picker, ScoredCandidate
 

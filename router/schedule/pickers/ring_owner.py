@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.keys import routing_key
 from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.keys import routing_key
 from router.schedule.recent import least_recent
 from router.schedule.types import Branch, Cycle, Pick, Picker, ScoredCandidate, SpillCause

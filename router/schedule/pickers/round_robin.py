@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.types import Cycle, NoParams, Pick, Picker, ScoredCandidate
 
 

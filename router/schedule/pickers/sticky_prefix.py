@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.keys import tie_key
 from router.schedule.types import Branch, Cycle, NoParams, Pick, Picker, ScoredCandidate
 

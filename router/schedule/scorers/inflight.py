@@ -3,7 +3,7 @@ about ``decode_cost_tokens`` prompt tokens' worth (its weight there)."""
 
 from __future__ import annotations
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.types import Candidate, Cycle, NoParams, Scorer
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.schedule import registry
+import router.schedule.registry as registry
 from router.schedule.types import Candidate, Cycle, NoParams, Scorer
 
 
