@@ -49,6 +49,7 @@ STEPS: list[tuple[str, str, str]] = [
     ("parse + limits", "router.gateway", "parse_body"),
     ("parse + limits", "router.request_path", "parse_body"),
     ("parse + limits", "router.routing.request_path", "parse_body"),
+    ("parse + limits", "router.routing.prepare", "parse_body"),
     ("normalise", "router.prompt.renderer", "Renderer.normalize_chat"),
     ("render (jinja)", "router.prompt.renderer", "Renderer._render"),
     ("prefix state", "router.prompt.renderer", "Renderer._prefix_ids"),

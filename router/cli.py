@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_tokenizer("--tokenizer", config.routing.tokenizer)
     check_file("--api-keys-file", config.auth.api_keys_file)
     try:
-        from router.tenancy.tenants import load_table
+        from router.tenancy.table import load_table
 
         load_table(config)  # --auth's missing settings now, all at once, before starting
     except ConfigError as e:

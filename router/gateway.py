@@ -46,13 +46,9 @@ from router.prompt import Renderer
 from router.readiness import Readiness, assess
 from router.routing.exchange import Exchanges
 from router.routing.forwarder import Forwarder, Retries
-from router.routing.request_path import (
-    DEFAULT_BLOCK_SIZE,
-    LARGE_BODY_BYTES,
-    ChatConverter,
-    Observer,
-    RequestPath,
-)
+from router.routing.learning import Observer
+from router.routing.prepare import DEFAULT_BLOCK_SIZE, LARGE_BODY_BYTES, ChatConverter
+from router.routing.request_path import RequestPath
 from router.routing.retry_budget import RetryBudget
 from router.schedule import Pipeline, Rings
 from router.telemetry.metrics import Metrics

@@ -35,71 +35,12 @@ from router.core.tasks import cancel_and_wait
 from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
 from router.flow.metrics import FlowMetrics
 from router.flow.ratelimit import RateLimiter
-from router.flow.saturation import Capacity, ReplicaView, Thresholds, Waiting, capacity
-from router.flow.settings import FlowSettings
+from router.flow.request import Estimate, FlowRequest, Place
+from router.flow.saturation import Capacity, ReplicaView, Waiting, capacity
+from router.flow.settings import FlowConfig, FlowSettings
 from router.flow.ticket import Ticket, shed_error, too_large
 
 log = logging.getLogger("prefix_router.flow")
-
-
-@dataclass(frozen=True, slots=True)
-class FlowConfig:
-    enabled: bool = False
-    thresholds: Thresholds = Thresholds()
-    max_queue_per_tenant: int = 256
-    max_queue: int = 4096
-    queue_timeout_s: float = 30.0
-    decode_token_cost: float = 1.0  # prefill tokens one expected output token costs
-    default_output_tokens: int = 256  # expected output when the request gives no max_tokens
-    history_tokens: float = 200_000.0  # how far past usage may hold a tenant back (per weight)
-    burst_tokens: float = 4096.0  # credit an under-share tenant may spend ahead (fairqueue)
-    tick_s: float = 0.05  # re-check the replicas' signals this often while requests wait
-
-    @classmethod
-    def from_config(cls, config: Any) -> FlowConfig:
-        return cls(
-            enabled=config.enabled,
-            thresholds=Thresholds(
-                prefill_per_replica=config.flow_prefill_per_replica,
-                waiting_max=config.flow_waiting_max,
-                kv_usage_max=config.flow_kv_usage_max,
-                ttft_max_s=config.flow_ttft_max_s,
-            ),
-            max_queue_per_tenant=config.flow_max_queue_per_tenant,
-            max_queue=config.flow_max_queue,
-            queue_timeout_s=config.flow_queue_timeout_s,
-            decode_token_cost=config.flow_decode_token_cost,
-            history_tokens=config.flow_history_tokens,
-            burst_tokens=config.flow_burst_tokens,
-        )
-
-
-@dataclass(slots=True)
-class FlowRequest:
-    """What flow control needs of a request."""
-
-    model: str
-    tenant: str
-    session: str
-    settings: FlowSettings
-    prompt_tokens: int  # of the prompt it routes on
-    max_tokens: int | None  # per sequence
-    stream: bool
-    batch_tokens: int = 0  # a completions batch's other prompts
-    sequences: int = 1  # n per prompt, every prompt of a batch
-
-    def output_tokens(self, default: int) -> int:
-        """The output it may generate in all: every sequence's ``max_tokens``."""
-        per = self.max_tokens if self.max_tokens is not None else default
-        return per * self.sequences
-
-
-# The scheduler's choice for a request among the given replicas, while nobody holds its
-# prefix (``Capacity.best_unheld``): the picker's rule, so the slot is where it would go.
-Place = Callable[[list[str]], str]
-# What the scheduler says of a request before it is queued: prompt tokens the best-placed
-# replica would prefill, the replicas holding that much, and (none holding it) its ``Place``.
-Estimate = tuple[int, tuple[str, ...], Place | None]
 
 
 @dataclass(eq=False)

@@ -1,5 +1,6 @@
-"""A tenant's flow-control settings, as the tenancy table gives them (``tenants.<name>``:
-``weight``, ``band``, ``rpm``, ``tpm``, ``max_queue``, ``queue_timeout_s``)."""
+"""Flow control's settings: a tenant's, as the tenancy table gives them (``tenants.<name>``:
+``weight``, ``band``, ``rpm``, ``tpm``, ``max_queue``, ``queue_timeout_s``), and the
+controller's own (``FlowConfig``, from the config's flow section)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from router.config import ConfigError
 from router.flow.fairqueue import BANDS
+from router.flow.saturation import Thresholds
 
 FLOW_KEYS = ("weight", "band", "rpm", "tpm", "max_queue", "queue_timeout_s")
 
@@ -51,3 +53,35 @@ def parse_flow(spec: Mapping[str, Any], where: str) -> FlowSettings:
         max_queue=number("max_queue", True),
         queue_timeout_s=number("queue_timeout_s", False),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class FlowConfig:
+    enabled: bool = False
+    thresholds: Thresholds = Thresholds()
+    max_queue_per_tenant: int = 256
+    max_queue: int = 4096
+    queue_timeout_s: float = 30.0
+    decode_token_cost: float = 1.0  # prefill tokens one expected output token costs
+    default_output_tokens: int = 256  # expected output when the request gives no max_tokens
+    history_tokens: float = 200_000.0  # how far past usage may hold a tenant back (per weight)
+    burst_tokens: float = 4096.0  # credit an under-share tenant may spend ahead (fairqueue)
+    tick_s: float = 0.05  # re-check the replicas' signals this often while requests wait
+
+    @classmethod
+    def from_config(cls, config: Any) -> FlowConfig:
+        return cls(
+            enabled=config.enabled,
+            thresholds=Thresholds(
+                prefill_per_replica=config.flow_prefill_per_replica,
+                waiting_max=config.flow_waiting_max,
+                kv_usage_max=config.flow_kv_usage_max,
+                ttft_max_s=config.flow_ttft_max_s,
+            ),
+            max_queue_per_tenant=config.flow_max_queue_per_tenant,
+            max_queue=config.flow_max_queue,
+            queue_timeout_s=config.flow_queue_timeout_s,
+            decode_token_cost=config.flow_decode_token_cost,
+            history_tokens=config.flow_history_tokens,
+            burst_tokens=config.flow_burst_tokens,
+        )
