@@ -271,3 +271,25 @@ async def test_completions_legs(sim: Start, http: aiohttp.ClientSession) -> None
         answer = await resp.json()
     assert answer["choices"][0]["finish_reason"] == "length"
     assert d.stats["pulled_blocks"] == -(-len(ids) // BS)
+
+
+async def test_messages_and_responses_legs(sim: Start, http: aiohttp.ClientSession) -> None:
+    """vLLM 0.34 takes kv_transfer_params on /v1/messages and /v1/responses too
+    (entrypoints/anthropic/protocol.py, responses/protocol.py) and answers them top level."""
+    p, d = await sim(), await sim()
+    for path, body in (
+        ("/v1/messages", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}),
+        ("/v1/responses", {"input": "Another text entirely. " * 30, "max_output_tokens": 1}),
+    ):
+        leg = {**prefill_leg({"model": MODEL, **body}), "store": False}
+        leg.pop("return_token_ids")
+        async with http.post(p.url + path, json=leg) as resp:
+            assert resp.status == 200
+            params = (await resp.json())["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+        before = d.stats["pulled_blocks"]
+        d_body = {"model": MODEL, **body, "kv_transfer_params": params}
+        async with http.post(d.url + path, json=d_body) as resp:
+            assert resp.status == 200
+        assert d.stats["pulled_blocks"] - before == len(params["remote_block_ids"][0])
+    assert d.stats["kv_corrupt_reads"] == d.stats["kv_load_failures"] == 0

@@ -58,9 +58,12 @@ class Apis:
 
     async def _run(
         self, request: web.Request, chat: dict[str, Any], size: int, body: dict[str, Any], kind: str
-    ) -> Seq:
+    ) -> tuple[Seq, dict[str, Any] | None]:
+        """The sequence generated, and the KV transfer parameters a prefill leg answers."""
         self.r.faults.check()
         await self.r.faults.hang()
+        gen = self.r.generation
+        params, leg = gen._leg(body)  # kv_transfer_params, as on chat (vLLM 0.34 takes them)
         model, lora = self.r.resolve_model(body)
         salt = cache_salt(body)
         bs = self.r.config.block_size
@@ -70,7 +73,6 @@ class Apis:
             return ids, block_hashes(ids, bs, lora=lora, cache_salt=salt)
 
         ids, hashes = await offload(prepare, size > OFFLOAD_BYTES)
-        gen = self.r.generation
         max_tokens = gen._max_tokens(chat.get("max_tokens"), len(ids))
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         seq = gen._make_seq(
@@ -83,9 +85,16 @@ class Apis:
             {"endpoint": kind, "model": model},
             limited=chat.get("max_tokens") is not None,
         )
+        gen._set_leg(seq, params, leg, bool(body.get("stream")))
         engine = self.r.engine
         engine.submit([seq])
         try:
+            if leg == "decode":
+                assert params is not None
+                pulled = await gen._transfer(seq, params)
+                if pulled is None:
+                    raise APIError(500, "Internal server error", type_="InternalServerError")
+                seq = pulled
             assert seq.done is not None
             await seq.done
         finally:
@@ -93,7 +102,8 @@ class Apis:
                 engine.abort(seq)
         if seq.state != FINISHED:
             raise APIError(503, "The request was aborted: the replica is shutting down")
-        return seq
+        nixl = self.r.nixl
+        return seq, nixl.pinned(seq) if nixl is not None and seq.hold else None
 
     def _cached(self, seq: Seq) -> int:
         return seq.usage_cached if self.r.config.enable_prompt_tokens_details else 0
@@ -103,7 +113,7 @@ class Apis:
         try:
             body, size = await read_json(request)
             chat = anthropic.to_chat(body)
-            seq = await self._run(request, chat, size, body, "messages")
+            seq, kv_params = await self._run(request, chat, size, body, "messages")
         except APIError as e:
             return anthropic.error_response(e)
         model = body.get("model") or self.r.config.model
@@ -127,6 +137,7 @@ class Apis:
                     "stop_reason": stop,
                     "stop_sequence": None,
                     "usage": usage,
+                    "kv_transfer_params": kv_params,
                 }
             )
         start = {
@@ -215,7 +226,7 @@ class Apis:
                 **chat,
                 "messages": system + [m for m in history if m["role"] != "system"] + rest,
             }
-        seq = await self._run(request, chat, size, body, "responses")
+        seq, kv_params = await self._run(request, chat, size, body, "responses")
         model = body.get("model") or self.r.config.model
         # vLLM takes the body's request_id as the response's id (and overwrites what its
         # store held under it): its store is not tenant-aware.
@@ -265,6 +276,7 @@ class Apis:
             "tools": [],
             "previous_response_id": previous,
             "usage": usage,
+            "kv_transfer_params": kv_params,
         }
         if store:
             self.objects[resp_id] = full
