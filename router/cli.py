@@ -42,7 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(config), end="")
         return 0
-    if not config.discovery.replicas and not config.discovery.discovery_dns:
+    listed = config.discovery.replicas + config.disaggregation.decode_replicas
+    if not listed and not config.discovery.discovery_dns:
         raise UsageError(
             "no replicas: pass --replica URL (repeatable), set replicas in --config, "
             "PREFIX_ROUTER_REPLICAS, or discovery_dns (to try it without vLLM: "

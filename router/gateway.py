@@ -26,6 +26,8 @@ import aiohttp
 
 from router.config import Config
 from router.core.tasks import Background
+from router.disagg.collect import Collect
+from router.disagg.watch import PdWatch
 from router.fleet.mode import FleetMode
 from router.fleet.replicas import Fleet, Replica
 from router.fleet.shared_state import FleetSync
@@ -127,6 +129,8 @@ class Gateway:
                 else not config.auth.enabled
             ),
             auth=config.auth.enabled,
+            collect=Collect(self.upstream),
+            pd=PdWatch(self.metrics.registry),
         )
         self.forward_allow = header_allow_list(
             config.auth.enabled, config.forwarding.forward_headers

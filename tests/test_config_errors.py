@@ -16,6 +16,7 @@ import yaml
 
 from router import cli
 from router.config import FIELDS, SECTIONS, Config, ConfigError, load_config
+from router.config.load import REPEATED_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEAD = "http://127.0.0.1:9"
@@ -152,6 +153,9 @@ def _sample(name: str) -> tuple[object, str]:
     default = FIELDS[name].field.default
     if name == "replicas":
         return ["http://10.0.0.7:8000"], "http://10.0.0.7:8000"
+    if name in ("prefill_replicas", "decode_replicas"):
+        url = f"http://10.0.0.{8 if name == 'prefill_replicas' else 9}:8000"
+        return [url], url
     if name in ("forward_headers", "admin_networks"):
         return ["10.1.0.0/16"], "10.1.0.0/16"
     special: dict[str, object] = {
@@ -162,6 +166,8 @@ def _sample(name: str) -> tuple[object, str]:
         "discovery_port": 8124,
         "log_level": "debug",
         "policy": "round_robin",
+        "pd_prefill_policy": "least_loaded",
+        "pd_decode_policy": "round_robin",
         "salt_policy": "tenant",
         "redis_url": "redis://10.0.0.9:6379/0",
         "outlier_error_ratio": 0.25,
@@ -200,7 +206,7 @@ def test_every_flat_key_env_name_and_flag_sets_its_section_field(tmp_path: Path)
     add_arguments(parser)
     argv: list[str] = []
     for name, (value, text) in samples.items():
-        flag = "--replica" if name == "replicas" else "--" + name.replace("_", "-")
+        flag = REPEATED_FLAGS.get(name, "--" + name.replace("_", "-"))
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
@@ -223,6 +229,11 @@ def test_every_field_can_be_given_inside_its_section(tmp_path: Path) -> None:
         ref = FIELDS[name]
         nested.setdefault(ref.section, {})[ref.attr] = value  # the name the code reads
     assert from_yaml(tmp_path, nested) == from_yaml(tmp_path, samples)
+    # P/D's lists by role, inside their section
+    pd = {"disaggregation": {"prefill": ["http://p:1"], "decode": ["http://d:1"]}}
+    config = from_yaml(tmp_path, pd)
+    assert config.disaggregation.prefill_replicas == ["http://p:1"]
+    assert config.disaggregation.decode_replicas == ["http://d:1"]
     # the flat names and the names without a section's prefix are accepted inside it too
     short = {"flow": {"enabled": True, "max_queue": 7}, "discovery": {"dns": "gw.local"}}
     longer = {"flow": {"flow_control": True, "flow_max_queue": 7}, "discovery_dns": "gw.local"}

@@ -9,6 +9,7 @@ checks.py: their checks.
 """
 
 from router.config.composed import FIELDS, Config, FieldRef
+from router.config.disaggregation import Disaggregation
 from router.config.errors import ConfigError, did_you_mean, mask_url_credentials
 from router.config.load import (
     ENV_PREFIX,
@@ -39,6 +40,7 @@ __all__ = [
     "Auth",
     "Config",
     "ConfigError",
+    "Disaggregation",
     "Discovery",
     "FieldRef",
     "Fleet",

@@ -6,10 +6,36 @@ import ipaddress
 from typing import TYPE_CHECKING
 
 from router.core.redis_client import parse_redis_url
-from router.schedule import ScheduleError, check_config
+from router.schedule import ScheduleError, check_config, policy_names
 
 if TYPE_CHECKING:
     from router.config.composed import Config
+
+
+def disaggregation_problems(config: Config) -> list[str]:
+    """The P/D settings: known policies, sensible thresholds, each replica in one role."""
+    out = []
+    pd = config.disaggregation
+    for name in ("pd_prefill_policy", "pd_decode_policy"):
+        value = config.get(name)
+        if value is not None and value not in policy_names():
+            out.append(f"{name} must be one of {', '.join(policy_names())}, got {value!r}")
+    if min(pd.pd_min_prompt_tokens, pd.pd_min_uncached_tokens) < 0:
+        out.append("pd_min_prompt_tokens and pd_min_uncached_tokens must be >= 0")
+    roles: dict[str, str] = {}
+    for role, urls in (
+        ("replica", config.discovery.replicas),
+        ("prefill_replica", pd.prefill_replicas),
+        ("decode_replica", pd.decode_replicas),
+    ):
+        for url in urls:
+            key = url.rstrip("/")
+            if key in roles and roles[key] != role:
+                out.append(f"{url} is listed as both {roles[key]} and {role}: give it one role")
+            roles.setdefault(key, role)
+    if pd.prefill_replicas and not (pd.decode_replicas or config.discovery.replicas):
+        out.append("prefill_replica needs a decode_replica (or a replica) to decode")
+    return out
 
 
 def problems(config: Config) -> list[str]:
@@ -72,7 +98,9 @@ def problems(config: Config) -> list[str]:
         problems.append(
             f"log_level must be debug, info, warning or error, got {config.server.log_level!r}"
         )
-    for url in config.discovery.replicas:
+    listed = config.discovery.replicas + config.disaggregation.prefill_replicas
+    listed = listed + config.disaggregation.decode_replicas
+    for url in listed:
         if not url.startswith(("http://", "https://")):
             problems.append(f"replica URL must start with http:// or https://: {url!r}")
     positive = (
@@ -127,7 +155,7 @@ def problems(config: Config) -> list[str]:
                 f"kv_events_endpoints[{url!r}] must be tcp://host:port (or a mapping with "
                 "endpoint and replay_endpoint)"
             )
-    for url in config.discovery.replicas:
+    for url in listed:
         if url.rstrip("/").endswith("/v1"):
             problems.append(
                 f"replica URL {url!r} ends in /v1: give vLLM's base URL "
@@ -171,4 +199,5 @@ def problems(config: Config) -> list[str]:
         check_config(config.routing)
     except ScheduleError as e:
         problems.append(str(e))
+    problems.extend(disaggregation_problems(config))
     return problems

@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.config.disaggregation import Disaggregation
 from router.config.errors import mask_url_credentials
 from router.config.sections import (
     Auth,
@@ -36,6 +37,7 @@ class Config:
     fleet: Fleet = field(default_factory=Fleet)
     kv_events: KvEvents = field(default_factory=KvEvents)
     discovery: Discovery = field(default_factory=Discovery)
+    disaggregation: Disaggregation = field(default_factory=Disaggregation)
     auth: Auth = field(default_factory=Auth)
     registry: Registry = field(default_factory=Registry)
     flow: Flow = field(default_factory=Flow)

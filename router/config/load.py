@@ -24,6 +24,12 @@ from router.schedule import ScheduleError
 from router.schedule.spec import lift as lift_schedule
 
 ENV_PREFIX = "PREFIX_ROUTER_"
+# Lists given one item a flag: ``--replica URL --replica URL``.
+REPEATED_FLAGS = {
+    "replicas": "--replica",
+    "prefill_replicas": "--prefill-replica",
+    "decode_replicas": "--decode-replica",
+}
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:
@@ -107,10 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             else f" (default: {_readable(name, default)})"
         )
         help_text = f"{f.metadata['help']}{shown} [env {env}]"
-        if name == "replicas":
+        if name in REPEATED_FLAGS:
             parser.add_argument(
-                "--replica",
-                dest="replicas",
+                REPEATED_FLAGS[name],
+                dest=name,
                 action="append",
                 metavar="URL",
                 default=None,
@@ -137,6 +143,7 @@ class Section:
     fields: tuple[str, ...]  # flat names, the switch's too
     prefix: str = ""  # dropped from a field's name inside the section
     enabled: str | None = None  # the flat name ``enabled:`` sets
+    suffix: str = ""  # dropped too (``disaggregation: {prefill: [...]}``)
 
     def keys(self) -> dict[str, str]:
         """Key inside the section -> flat name."""
@@ -144,6 +151,10 @@ class Section:
         out.update(
             {n.removeprefix(self.prefix): n for n in self.fields if n.startswith(self.prefix)}
         )
+        if self.suffix:
+            out.update(
+                {n.removesuffix(self.suffix): n for n in self.fields if n.endswith(self.suffix)}
+            )
         if self.enabled:
             out["enabled"] = self.enabled
         return out
@@ -154,7 +165,9 @@ _PREFIXES = {
     "kv_events": "kv_events_",
     "discovery": "discovery_",
     "flow": "flow_",
+    "disaggregation": "pd_",
 }
+_SUFFIXES = {"disaggregation": "_replicas"}
 
 
 def _sections() -> dict[str, Section]:
@@ -162,7 +175,9 @@ def _sections() -> dict[str, Section]:
     for section in SECTION_TYPES:
         names = tuple(n for n, ref in FIELDS.items() if ref.section == section)
         switch = next((n for n in names if FIELDS[n].attr == "enabled"), None)
-        out[section] = Section(names, _PREFIXES.get(section, ""), switch)
+        out[section] = Section(
+            names, _PREFIXES.get(section, ""), switch, _SUFFIXES.get(section, "")
+        )
     return out
 
 

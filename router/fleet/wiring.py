@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from router.config import Config
+from router.disagg import roles
 from router.fleet.discovery import DnsDiscovery
 from router.fleet.mode import FleetMode, Spawn
 from router.fleet.outlier import OutlierPolicy
@@ -74,8 +75,9 @@ class FleetWiring:
             if config.forwarding.upstream_api_key
             else {}
         )
+        listed = roles.configured(config)
         self._fleet = Fleet(
-            config.discovery.replicas,
+            [url for url, _ in listed],
             self.session,
             health_interval_s=config.health.health_interval_s,
             metrics_interval_s=config.health.metrics_interval_s,
@@ -86,6 +88,8 @@ class FleetWiring:
             upstream_headers=headers,
             on_event=self._on_fleet_event,
         )
+        for url, role in listed:
+            self._fleet.replicas[url].role = role
         await self._fleet.start()
         if config.discovery.discovery_dns:
             self.discovery = DnsDiscovery.from_config(config.discovery, self._on_discovered)

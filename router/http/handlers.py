@@ -281,9 +281,10 @@ class Handlers:
             detailed = admin_key_ok(request, admin_key, accept_bearer=True)
         else:
             detailed = not self.gw.config.auth.enabled
-        return web.json_response(
-            state.detail() if detailed else state.counts(), status=200 if state.ready else 503
-        )
+        shown = state.detail() if detailed else state.counts()
+        if detailed and self.gw.path.disaggregated:  # prefill replicas misconfigured for P/D
+            shown["disaggregation"] = self.gw.exchanges.pd.ready_detail()
+        return web.json_response(shown, status=200 if state.ready else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         if self.gw.config.auth.enabled:

@@ -8,6 +8,7 @@ token ids and block hashes for request bodies, through the very same ``RequestPa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -18,12 +19,14 @@ from aiohttp import web
 from router.config import ConfigError
 from router.core.blocks import cacheable_blocks
 from router.core.errors import APIError, bad_request
+from router.disagg.decision import Thresholds
 from router.gateway import Gateway
 from router.http.handlers import Handlers, admin_key_ok
 from router.intake.budget import in_networks
 from router.intake.routed_request import Endpoint, RoutedRequest
 from router.ops.command_line import HelpFormatter, OneLineParser
 from router.ops.offline import check_flags, model_of, offline_gateway, read_lines
+from router.routing.plan import Plan
 from router.schedule import Decision
 
 SHOWN_HASHES = 8
@@ -150,7 +153,8 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
     hint = request.query.get("endpoint") or request.headers.get("X-Prefix-Router-Endpoint")
     endpoint = endpoint_of(None, hint) if hint else await _endpoint_of_body(gateway, raw)
     rr = await gateway.path.prepare(raw, request.headers, endpoint, request_id, tenant)
-    decision = await gateway.path.decide(rr)
+    plan = await gateway.path.plan(rr)
+    decision = plan.last.decision  # the replica whose answer the client gets
     include = request.query.get("token_ids", "").lower() in ("1", "true", "yes")
     body = describe(
         rr,
@@ -159,6 +163,8 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
         all_hashes=request.query.get("all_hashes", "") in ("1", "true"),
     )
     body["schedule"] = gateway.policy.describe()  # the plugins and weights behind the terms
+    if gateway.path.disaggregated:  # both legs, and why there is or is not a prefill leg
+        body["disaggregation"] = explain_plan(plan, gateway.path.thresholds)
     # Flow control: whether a request like this would wait now, and why.
     body["flow"] = gateway.flow.explain(
         gateway.path.flow_model(rr), rr.tenant, gateway.tenancy.policy_of(rr.tenant).flow
@@ -167,6 +173,24 @@ async def handle(handlers: Handlers, request: web.Request, request_id: str) -> w
         for candidate in body.get("candidates", []):
             candidate["kv_events"] = gateway.kv_events.state(candidate["replica"])
     return web.json_response(body)
+
+
+def explain_plan(plan: Plan, thresholds: Thresholds) -> dict[str, Any]:
+    """A disaggregated fleet's plan: each leg, and why the prefill leg was skipped if it was."""
+    return {
+        "prefill_leg": len(plan.legs) > 1,
+        "skipped": plan.skipped,
+        "thresholds": dataclasses.asdict(thresholds),
+        "legs": [
+            {
+                "role": leg.role,
+                "replica": leg.replica.url,
+                "matched_blocks": leg.decision.matched_blocks,
+                "prefill_tokens": leg.prefill_tokens,
+            }
+            for leg in plan.legs
+        ],
+    }
 
 
 async def _endpoint_of_body(gateway: Gateway, raw: bytes) -> Endpoint:

@@ -26,6 +26,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
+from router.disagg.collect import Collect
+from router.disagg.handover import Handover
+from router.disagg.watch import PdWatch
 from router.fleet.replicas import Fleet
 from router.flow.ticket import Ticket
 from router.intake.routed_request import Endpoint, RoutedRequest
@@ -39,6 +42,7 @@ from router.upstream.transport import Transport, Wire
 log = logging.getLogger("prefix_router")
 
 A = TypeVar("A")
+T = TypeVar("T")
 
 PATHS: dict[Endpoint, str] = {
     "chat": "/v1/chat/completions",
@@ -75,8 +79,12 @@ class Exchanges:
         fleet: Callable[[], Fleet],
         decision_headers: bool,
         auth: bool,
+        collect: Collect,
+        pd: PdWatch,
     ) -> None:
         self.path = path
+        self.collect = collect  # a prefill leg's transport: its answer read, not relayed
+        self.pd = pd  # prefill/decode disaggregation's metrics and warnings
         self.retries = retries
         self.metrics = path.metrics
         self.fleet = fleet  # the fleet exists once the gateway has started
@@ -145,12 +153,22 @@ class Exchange(Generic[A]):
                     first.prefill_tokens + rr.batch_tokens,  # a batch's others are prefilled too
                     path.flow.expected_output(rr.max_tokens, rr.sequences),
                 )
-                earlier: Outcome | None = None
+                handover = Handover(rr, plan, owner.pd)
+                for leg in plan.legs:  # adapters first: a decode leg never waits after P
+                    await path.upkeep.ensure_adapter(rr, leg.replica)
                 for leg in plan.legs:
+                    leg = handover.decode_leg(leg)
+                    handover.sending(leg)
+                    body = handover.body(leg)
                     try:
-                        answer, outcome = await self.leg(leg, earlier)
+                        if leg.role == "prefill":
+                            data, outcome = await self.leg(leg, owner.collect, body)
+                            handover.prefill_answered(leg, data, outcome)
+                        else:
+                            answer, outcome = await self.leg(leg, self.transport, body)
                     except UpstreamUnavailable as e:
                         self.tried.add(leg.replica.url)
+                        handover.failed(leg)
                         await self.unavailable(leg, e.why)
                         tried = frozenset(self.tried)
                         retrying = await retries.failed(
@@ -163,8 +181,7 @@ class Exchange(Generic[A]):
                             e.why,
                         )
                         break  # re-planned: a failed decode leg runs its prefill again
-                    await self.answered(leg, outcome)
-                    earlier = outcome
+                    await self.answered(leg, handover.learned(leg, outcome))
                 else:
                     return answer
         finally:
@@ -172,13 +189,12 @@ class Exchange(Generic[A]):
             ticket.done()  # close: its prefill slot back, however the request ended
 
     # -- one leg: account, send, first byte, outcome -----------------------------------------
-    async def leg(self, leg: Leg, earlier: Outcome | None) -> tuple[A, Outcome]:
-        """Send ``leg`` (``earlier``: the previous leg's outcome, for a leg that carries what
-        it left, as a decode leg carries its prefill's KV transfer parameters)."""
+    async def leg(self, leg: Leg, transport: Transport[T], body: bytes) -> tuple[T, Outcome]:
+        """Send ``leg`` as ``body`` over ``transport`` (a prefill leg's answer is collected,
+        not relayed: router/disagg/collect.py)."""
         rr, ticket, owner = self.rr, self.ticket, self.owner
         metrics = owner.metrics
         assert ticket is not None
-        await self.path.upkeep.ensure_adapter(rr, leg.replica)  # a LoRA at run time
         attempt = Attempt(leg.replica, leg.decision, leg.prefill_tokens)
         if (tail := rr.tail) is not None and tail.full is None:
             # A lazy head counted its tail's estimate: the exact count, once known.
@@ -202,7 +218,7 @@ class Exchange(Generic[A]):
             tokens *= rr.sequences  # completion_tokens counts every choice of every prompt
         wire = Wire(
             leg.replica.url + PATHS[rr.endpoint],
-            rr.forwarded_body(),
+            body,
             self.upstream_headers,
             extra,
             "POST",
@@ -218,7 +234,7 @@ class Exchange(Generic[A]):
             self._sent_at = time.perf_counter()
             # When its prefill slot frees: after every prompt of a batch.
             ticket.sent(leg.prefill_tokens + rr.batch_tokens, rr.stream)
-            answer, outcome = await self.transport.send(wire, self)
+            answer, outcome = await transport.send(wire, self)
             self.first_byte()  # a transport that did not report it: it came with the answer
             return answer, outcome
         except asyncio.CancelledError:
@@ -277,17 +293,19 @@ class Exchange(Generic[A]):
         return idle_among(r for r in self.owner.fleet().serving(model) if r.url not in tried)
 
     async def answered(self, leg: Leg, outcome: Outcome) -> None:
-        """The replica's answer was relayed: its health, a Responses chain, then learning."""
+        """The replica's answer was relayed (a prefill leg's: kept): its health, a Responses
+        chain, then learning."""
+        relayed = leg.role != "prefill"
         rr, ticket = self.rr, self.ticket
         assert ticket is not None
         await self.owner.fleet().record_response(
             leg.replica,
             outcome.status,
-            stream=rr.stream,
+            stream=rr.stream and relayed,  # a prefill leg is answered whole
             first_byte_s=outcome.first_byte_s,
             completion_tokens=outcome.completion_tokens,
         )
-        if rr.endpoint == "responses" and ticket.session:
+        if relayed and rr.endpoint == "responses" and ticket.session:
             self.path.response_chains.learn(outcome.head, ticket.session)
         # learn: after the response is written (the next loop turn, before any new request).
         asyncio.get_running_loop().call_soon(self.path.learn, rr, leg.decision, outcome)

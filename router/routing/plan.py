@@ -28,6 +28,9 @@ class Plan:
     """The legs of one routed request, in the order they are sent."""
 
     legs: tuple[Leg, ...]
+    # In a disaggregated fleet, why the request has no prefill leg (router/disagg/decision.py;
+    # None: it has one, or the fleet does not disaggregate).
+    skipped: str | None = None
 
     @property
     def last(self) -> Leg:

@@ -14,6 +14,7 @@ What the path needs of a request's model (its renderer, block size and replicas)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -23,6 +24,9 @@ from typing import Any
 
 from router.config import Config
 from router.core import blocks
+from router.core.errors import APIError
+from router.disagg import planner, roles
+from router.disagg.decision import Thresholds
 from router.fleet.replicas import Replica, Role
 from router.fleet.wiring import FleetWiring
 from router.flow.controller import FlowController, Ticket
@@ -97,10 +101,18 @@ class RequestPath(Preparation):
         # ``both`` (aggregated serving) today; prefill/decode disaggregation adds the others.
         self.pipelines: dict[Role, Pipeline] = {"both": from_config(config.routing, wiring.ring)}
         self.policy: Pipeline = self.pipelines["both"]  # schedule + policy flags
+        # Prefill/decode disaggregation (router/disagg/): a pipeline per pool.
+        pd = config.disaggregation
+        self.disaggregated = bool(pd.prefill_replicas)
+        self.thresholds = Thresholds(pd.pd_min_prompt_tokens, pd.pd_min_uncached_tokens)
+        for role, name in (("prefill", pd.pd_prefill_policy), ("decode", pd.pd_decode_policy)):
+            routing = dataclasses.replace(config.routing, policy=name or config.routing.policy)
+            self.pipelines[role] = from_config(routing, wiring.ring)  # type: ignore[index]
         # Route on a prompt's head and tokenize the rest off the critical path
-        # (router/routing/lazy_tail.py), where the policy provably decides the same.
+        # (router/routing/lazy_tail.py), where the policy provably decides the same (not while
+        # disaggregating: whether to split reads the whole prompt's length).
         why_not = lazy_tail.policy_allows(self.policy)
-        self.lazy_tail = config.routing.lazy_tail and why_not is None
+        self.lazy_tail = config.routing.lazy_tail and why_not is None and not self.disaggregated
         if config.routing.lazy_tail and why_not is not None:
             log.info("lazy tail off: %s", why_not)
         self.observers: list[Observer] = []
@@ -121,8 +133,15 @@ class RequestPath(Preparation):
 
     # -- flow control (router/flow/): a ticket before forwarding ----------------------------
     def _flow_replicas(self, model: str) -> list[Replica]:
+        """The replicas whose prefill slots flow control counts: the prefill pool's in a
+        disaggregated fleet (a request is admitted before its prefill leg; its decode leg is
+        never queued in the gateway)."""
         fleet = self.wiring.opened
-        return fleet.serving(model) if fleet is not None else []
+        if fleet is None:
+            return []
+        if self.disaggregated:
+            return [r for r in fleet.serving(model) if roles.in_pool(r, "prefill")]
+        return fleet.serving(model)
 
     @staticmethod
     def flow_model(rr: RoutedRequest) -> str:
@@ -203,27 +222,39 @@ class RequestPath(Preparation):
         return self.policy.choose(rr, [r.candidate(0) for r in replicas]).replica
 
     async def plan(
+        self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
+    ) -> Plan:
+        """Where ``rr``'s legs go (router/routing/plan.py): one ``both`` leg, or in a disaggregated
+        fleet a prefill and a decode leg (router/disagg/planner.py). ``slot``: where flow
+        control reserved the request's prefill slot (``Ticket.replica``)."""
+        if self.disaggregated:
+            return await planner.plan(self.leg, rr, exclude, slot, self.thresholds)
+        return Plan((await self.leg(rr, exclude, slot, "both"),))
+
+    async def leg(
         self,
         rr: RoutedRequest,
         exclude: frozenset[str] = frozenset(),
         slot: str | None = None,
         role: Role = "both",
-    ) -> Plan:
-        """Where ``rr``'s legs go (router/routing/plan.py): today one leg, ``role``'s pipeline's
-        replica, with the prompt tokens it is predicted to compute. ``slot``: where flow
-        control reserved the request's prefill slot (``Ticket.replica``); a prefix nobody
-        holds goes there, a replica no request queued before it waits for
-        (``Capacity.best_unheld``)."""
+    ) -> Leg:
+        """``role``'s pipeline's replica for ``rr``, with the prompt tokens it is predicted
+        to compute. ``slot``: a prefix nobody holds goes there, a replica no request queued
+        before it waits for (``Capacity.best_unheld``)."""
         t0 = time.perf_counter()
         policy = self.pipelines[role]
         replicas = self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
+        if self.disaggregated:
+            replicas = [r for r in replicas if roles.in_pool(r, role)]
+            if not replicas:
+                raise APIError(503, f"no {role} replica is available", code="no_replica")
         if rr.pinned_replica is not None:  # holds the state the request names
             replicas = [r for r in replicas if r.url == rr.pinned_replica] or replicas
         urls = [r.url for r in replicas]
         latest = lazy_tail.latest(rr)
-        matches = (
-            await self.wiring.index.match(latest.block_hashes, urls) if policy.uses_index else {}
-        )
+        # A decode replica's holdings decide what it pulls, whatever its policy reads.
+        indexed = policy.uses_index or role == "decode"
+        matches = await self.wiring.index.match(latest.block_hashes, urls) if indexed else {}
         tail = latest.tail
         if tail is not None and tail.full is None:
             on_head = tail.decides(matches)
@@ -246,13 +277,13 @@ class RequestPath(Preparation):
         # by the exchange once the tail is tokenized).
         prefill = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        return Plan((Leg(role, replica, decision, prefill),))
+        return Leg(role, replica, decision, prefill)
 
     async def decide(
         self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
     ) -> Decision:
         """The policy's replica for ``rr`` (its plan's one leg): what explain shows."""
-        return (await self.plan(rr, exclude, slot)).legs[0].decision
+        return (await self.plan(rr, exclude, slot)).last.decision
 
     async def forget_unsent(self, rr: RoutedRequest, decision: Decision) -> None:
         """The replica failed before computing the blocks recorded for it: take back what
