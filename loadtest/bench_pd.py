@@ -11,19 +11,26 @@ router in front of them. Runs:
 
 * ``aggregated``        -- ``prefix-router serve`` (its default policy) over all replicas, no
                            disaggregation: the baseline every ratio is against;
+* ``pd_round_robin``    -- the gateway's P/D, round robin on both pools, every request split;
+* ``pd_prefix_least_loaded`` -- prefix-aware prefill pool, least-loaded decode, always split;
+* ``pd_prefix_affinity``     -- prefix-aware on both pools (decode affinity), always split;
+* ``pd_prefix_affinity_skip`` -- the same with the gateway's defaults: no prefill leg for a
+                           short prompt or one the decode replica mostly holds;
 * ``vllm_router_rr_pd`` -- vllm-router ``--vllm-pd-disaggregation`` with round robin on both
                            pools (half the replicas prefill, half decode);
 * ``vllm_router_pd``    -- vllm-router P/D with ``--prefill-policy cache_aware
                            --decode-policy power_of_two`` (as its docs suggest).
 
-vllm-router runs need ``pip install vllm-router`` (skipped, and said so, when absent). The
-gateway's own P/D modes join this table once it drives disaggregation (issue 41).
+vllm-router runs need ``pip install vllm-router`` (skipped, and said so, when absent).
 
 Per run: requests ok / failed, the prefill pool's hit rate (the prefill replicas' own
-``vllm:prefix_cache_*`` counters; for ``aggregated`` the whole fleet's) against the ideal hit
-rate of the same requests, KV blocks the decode pool pulled per request
-(``vllm:external_prefix_cache_hits`` / block size), the decode pool's local hits, and TTFT
-p50/p99 with its ratio to ``aggregated``.
+``vllm:prefix_cache_*`` counters; for ``aggregated`` the whole fleet's) against its ideal hit
+rate (one unlimited cache over the prompts that had a prefill leg, answers not cached: the
+prefill replica never generates them; for ``aggregated`` the usual ideal), KV blocks the decode pool pulled per request
+(``vllm:external_prefix_cache_hits`` / block size), for the gateway's runs the blocks pulled
+against the fewest any decode replica lacked at decision time (its ``prefix_router_pd_*``
+counters) and the share of requests with a prefill leg, the decode pool's local hits, and TTFT
+p50/p99 with its ratio to ``aggregated`` and to ``vllm_router_pd``.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from loadtest import benchkit, workloads
+from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.metrics_scrape import parse_prometheus
 from loadtest.procs import (
     Proc,
@@ -45,9 +54,37 @@ from loadtest.procs import (
     start_replicas,
     wait_ready,
 )
-from loadtest.runner import GatewayTarget, RunResult, run_workload
+from loadtest.runner import (
+    GatewayTarget,
+    RequestRecord,
+    RunResult,
+    default_renderer,
+    run_workload,
+)
 
-RUNS = ("aggregated", "vllm_router_rr_pd", "vllm_router_pd")
+RUNS = (
+    "aggregated",
+    "pd_round_robin",
+    "pd_prefix_least_loaded",
+    "pd_prefix_affinity",
+    "pd_prefix_affinity_skip",
+    "vllm_router_rr_pd",
+    "vllm_router_pd",
+)
+# The gateway's P/D modes: its flags beside --prefill-replica / --decode-replica.
+ALWAYS_SPLIT = ("--pd-min-prompt-tokens", "0", "--pd-min-uncached-tokens", "0")
+GATEWAY_PD: dict[str, tuple[str, ...]] = {
+    "pd_round_robin": (
+        "--pd-prefill-policy",
+        "round_robin",
+        "--pd-decode-policy",
+        "round_robin",
+        *ALWAYS_SPLIT,
+    ),
+    "pd_prefix_least_loaded": ("--pd-decode-policy", "least_loaded", *ALWAYS_SPLIT),
+    "pd_prefix_affinity": ALWAYS_SPLIT,
+    "pd_prefix_affinity_skip": (),  # the gateway's defaults
+}
 BLOCK_SIZE = 16
 
 
@@ -62,6 +99,8 @@ class Row:
     decode_local_hit: float | None
     ttft_p50: float | None
     ttft_p99: float | None
+    pulled_vs_fewest: float | None = None  # the gateway's decode choice against the minimum
+    split_share: float | None = None  # requests that had a prefill leg
 
 
 async def _counters(urls: list[str]) -> dict[str, dict[str, float]]:
@@ -138,6 +177,11 @@ async def one_run(run: str, a: argparse.Namespace, workload_kw: dict[str, Any]) 
         if run == "aggregated":
             router = start_gateway(urls)
             ready = "/ready"
+        elif run in GATEWAY_PD:
+            roles = [*(x for u in prefill for x in ("--prefill-replica", u))]
+            roles += [x for u in decode for x in ("--decode-replica", u)]
+            router = start_gateway([], *roles, *GATEWAY_PD[run])
+            ready = "/ready"
         else:
             maybe = _router(run, prefill, decode)
             if maybe is None:
@@ -158,6 +202,7 @@ async def one_run(run: str, a: argparse.Namespace, workload_kw: dict[str, Any]) 
             label=run,
         )
         after = await _counters(urls)
+        gw = await _gateway_counters(router.url) if run in GATEWAY_PD else {}
     delta = {u: {k: after[u][k] - before[u][k] for k in after[u]} for u in urls}
     pool = urls if run == "aggregated" else prefill
     queries = _sum(delta, pool, "vllm:prefix_cache_queries_total")
@@ -166,24 +211,64 @@ async def one_run(run: str, a: argparse.Namespace, workload_kw: dict[str, Any]) 
     d_queries = _sum(delta, decode, "vllm:prefix_cache_queries_total")
     d_hits = _sum(delta, decode, "vllm:prefix_cache_hits_total")
     ttft = res.ttft
+    if run == "aggregated":
+        ideal = res.ideal.hit_rate if res.ideal is not None else None
+    elif run in GATEWAY_PD:  # the requests the gateway gave a prefill leg
+        ideal = prefill_ideal(res, lambda r: r.prefill_replica is not None)
+    else:  # vllm-router sends every request to a prefill replica
+        ideal = prefill_ideal(res, lambda r: True)
     return Row(
         run,
         res.ok,
         res.sent - res.ok,
         hits / queries if queries else None,
-        res.ideal.hit_rate if res.ideal is not None else None,
+        ideal,
         None if run == "aggregated" else pulled / BLOCK_SIZE / max(1, res.ok),
         None if run == "aggregated" or not d_queries else d_hits / d_queries,
         ttft.get("p50"),
         ttft.get("p99"),
+        _ratio(gw.get("prefix_router_pd_pulled_blocks_total"), gw.get(FEWEST)),
+        gw.get("prefix_router_pd_legs_total", 0.0) / 2 / max(1, res.ok) if gw else None,
     )
+
+
+FEWEST = "prefix_router_pd_fewest_pulled_blocks_total"
+
+
+def prefill_ideal(res: RunResult, had_prefill: Callable[[RequestRecord], bool]) -> float | None:
+    """The prefill pool's ideal hit rate: one unlimited cache over the prompts that had a
+    prefill leg, in send order. A prefill replica never sees an answer (it generates one
+    token), so none is cached at completion: a later turn's prompt brings it."""
+    renderer = default_renderer()
+    reqs = []
+    for r in res.records:
+        if r.ok and r.spec is not None and had_prefill(r):
+            salt = r.spec.make_body().get("cache_salt") if r.spec.body is not None else None
+            ids = r.spec.prompt_token_ids(renderer)
+            reqs.append(IdealRequest(r.sent_s or 0.0, ids, r.end_s, [], salt))
+    return ideal_hit_rate(reqs, BLOCK_SIZE).hit_rate if reqs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+async def _gateway_counters(url: str) -> dict[str, float]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        families = parse_prometheus(await r.text())
+    names = ("prefix_router_pd_pulled_blocks_total", FEWEST, "prefix_router_pd_legs_total")
+    return {n: sum(v for _, v in families.get(n, [])) for n in names}
 
 
 def table(rows: list[Row]) -> str:
     base = next((r for r in rows if r.run == "aggregated"), None)
+    peer = next((r for r in rows if r.run == "vllm_router_pd"), None)
     return benchkit.markdown(
         "run | ok | failed | prefill pool hit | ideal | hit/ideal | blocks pulled/request | "
-        "decode local hit | TTFT p50 ms | p99 ms | p99 x aggregated",
+        "pulled/fewest | split | decode local hit | TTFT p50 ms | p99 ms | p99 x aggregated | "
+        "p99 x vllm-router",
         [
             (
                 r.run,
@@ -193,10 +278,13 @@ def table(rows: list[Row]) -> str:
                 benchkit.pct(r.ideal_hit),
                 benchkit.ratio(r.prefill_hit, r.ideal_hit),
                 "-" if r.pulled_per_request is None else f"{r.pulled_per_request:.1f}",
+                "-" if r.pulled_vs_fewest is None else f"{r.pulled_vs_fewest:.2f}",
+                benchkit.pct(r.split_share),
                 benchkit.pct(r.decode_local_hit),
                 benchkit.ms(r.ttft_p50),
                 benchkit.ms(r.ttft_p99),
                 benchkit.ratio(r.ttft_p99, base.ttft_p99 if base else None, 2),
+                benchkit.ratio(r.ttft_p99, peer.ttft_p99 if peer else None, 2),
             )
             for r in rows
         ],

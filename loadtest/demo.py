@@ -221,7 +221,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python tools/fetch_test_tokenizers.py fetches one), per model the fleet hit rate "
         "against the ideal (loadtest/bench_multimodel.py)",
     )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="instead: prefill/decode disaggregation, aggregated serving against the gateway's "
+        "P/D (2 prefill + 2 decode simulated replicas with vLLM's NixlConnector) on the same "
+        "workload (loadtest/bench_pd.py)",
+    )
     a = p.parse_args(argv)
+    if a.pd:
+        from loadtest import bench_pd
+
+        runs = "aggregated,pd_prefix_affinity_skip"
+        seconds, seed = str(a.max_seconds), str(a.seed)
+        return bench_pd.main(["--quick", "--runs", runs, "--seconds", seconds, "--seed", seed])
     if a.two_models is not None:
         from loadtest import bench_multimodel
 

@@ -45,6 +45,7 @@ from router.core.bundled import tokenizer_dir
 REPLICA_HEADER = "x-prefix-router-replica"
 CACHED_BLOCKS_HEADER = "x-prefix-router-cached-blocks"
 QUEUED_HEADER = "x-prefix-router-queued-ms"  # flow control: how long it waited in the gateway
+PREFILL_HEADER = "x-prefix-router-prefill-replica"  # P/D: the replica that ran its prefill leg
 CLIENT_POLICIES = ("round_robin", "random")
 try:  # the gateway's registry, ttft first; without the gateway, client-side baselines only
     from router.schedule import policy_names
@@ -234,6 +235,7 @@ class RequestRecord:
     harness_prompt_tokens: int | None = None
     ideal_cached_tokens: int | None = None
     queued_ms: float | None = None  # waited in the gateway's flow-control queue
+    prefill_replica: str | None = None  # P/D: its prefill leg's replica (None: no prefill leg)
     # in memory only (not written to requests.jsonl)
     spec: RequestSpec | None = field(default=None, repr=False)
     answer: str | None = field(default=None, repr=False)
@@ -548,6 +550,7 @@ async def _do_request(
             if hdr is not None:
                 with contextlib.suppress(ValueError):
                     rec.predicted_cached_blocks = int(hdr)
+            rec.prefill_replica = resp.headers.get(PREFILL_HEADER)
             if (queued := resp.headers.get(QUEUED_HEADER)) is not None:
                 with contextlib.suppress(ValueError):
                     rec.queued_ms = float(queued)

@@ -51,6 +51,7 @@ async def test_chat_and_completions_go_through_both_legs(fleet: Fleet, gateway: 
         status, headers, answer = await post(s, gw.url + CHAT, chat_body(LONG_USER))
         assert status == 200, answer
         assert headers[REPLICA_HDR] == d.url  # the client gets the decode leg's answer
+        assert headers["x-prefix-router-prefill-replica"] == p.url
         n = answer["usage"]["prompt_tokens"]
         (p_leg,) = p.stats["records"]
         assert p_leg["completion_tokens"] == 1 and p_leg["prompt_tokens"] == n

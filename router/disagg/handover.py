@@ -22,13 +22,14 @@ from router.upstream.proxy import Outcome
 class Handover:
     """One plan's hand-over from its prefill leg to its decode leg."""
 
-    __slots__ = ("answer", "rr", "split", "watch")
+    __slots__ = ("answer", "pulls_from", "rr", "split", "watch")
 
     def __init__(self, rr: RoutedRequest, plan: Plan, watch: PdWatch) -> None:
         self.rr = rr
         self.watch = watch
         self.split = len(plan.legs) > 1
         self.answer: legs.PrefillAnswer | None = None  # the prefill answer, once in
+        self.pulls_from: str | None = None  # the prefill replica a decode leg pulls from
         if plan.skipped is not None:
             watch.skipped.labels(plan.skipped).inc()
 
@@ -75,6 +76,8 @@ class Handover:
         if answer is None:
             self.watch.fallbacks.labels(f"prefill_http_{outcome.status // 100}xx").inc()
             return
+        if answer.params is not None:
+            self.pulls_from = url
         if answer.params is None:
             self.watch.problem(NO_TRANSFER_PARAMS, url)
             self.watch.fallbacks.labels(NO_TRANSFER_PARAMS).inc()

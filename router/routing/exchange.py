@@ -165,7 +165,8 @@ class Exchange(Generic[A]):
                             data, outcome = await self.leg(leg, owner.collect, body)
                             handover.prefill_answered(leg, data, outcome)
                         else:
-                            answer, outcome = await self.leg(leg, self.transport, body)
+                            pulls_from = handover.pulls_from
+                            answer, outcome = await self.leg(leg, self.transport, body, pulls_from)
                     except UpstreamUnavailable as e:
                         self.tried.add(leg.replica.url)
                         handover.failed(leg)
@@ -189,9 +190,12 @@ class Exchange(Generic[A]):
             ticket.done()  # close: its prefill slot back, however the request ended
 
     # -- one leg: account, send, first byte, outcome -----------------------------------------
-    async def leg(self, leg: Leg, transport: Transport[T], body: bytes) -> tuple[T, Outcome]:
+    async def leg(
+        self, leg: Leg, transport: Transport[T], body: bytes, pulls_from: str | None = None
+    ) -> tuple[T, Outcome]:
         """Send ``leg`` as ``body`` over ``transport`` (a prefill leg's answer is collected,
-        not relayed: router/disagg/collect.py)."""
+        not relayed: router/disagg/collect.py; ``pulls_from``: a decode leg's prefill
+        replica)."""
         rr, ticket, owner = self.rr, self.ticket, self.owner
         metrics = owner.metrics
         assert ticket is not None
@@ -213,6 +217,9 @@ class Exchange(Generic[A]):
             extra["x-prefix-router-cached-blocks"] = str(leg.decision.matched_blocks)
             if ticket.why:
                 extra["x-prefix-router-queued-ms"] = f"{ticket.queued_s * 1000:.0f}"
+            if pulls_from is not None:
+                name = replica_name(owner.fleet(), pulls_from, owner.auth)
+                extra["x-prefix-router-prefill-replica"] = name
         tokens = rr.max_tokens
         if tokens is not None:
             tokens *= rr.sequences  # completion_tokens counts every choice of every prompt
