@@ -16,6 +16,7 @@ router in front of them. Runs:
 * ``pd_prefix_affinity``     -- prefix-aware on both pools (decode affinity), always split;
 * ``pd_prefix_affinity_skip`` -- the same with the gateway's defaults: no prefill leg for a
                            short prompt or one the decode replica mostly holds;
+* ``pd_prefill_first``  -- the same, the decode replica chosen again after the prefill answer;
 * ``vllm_router_rr_pd`` -- vllm-router ``--vllm-pd-disaggregation`` with round robin on both
                            pools (half the replicas prefill, half decode);
 * ``vllm_router_pd``    -- vllm-router P/D with ``--prefill-policy cache_aware
@@ -68,6 +69,7 @@ RUNS = (
     "pd_prefix_least_loaded",
     "pd_prefix_affinity",
     "pd_prefix_affinity_skip",
+    "pd_prefill_first",
     "vllm_router_rr_pd",
     "vllm_router_pd",
 )
@@ -84,6 +86,7 @@ GATEWAY_PD: dict[str, tuple[str, ...]] = {
     "pd_prefix_least_loaded": ("--pd-decode-policy", "least_loaded", *ALWAYS_SPLIT),
     "pd_prefix_affinity": ALWAYS_SPLIT,
     "pd_prefix_affinity_skip": (),  # the gateway's defaults
+    "pd_prefill_first": ("--pd-order", "prefill-first"),
 }
 BLOCK_SIZE = 16
 

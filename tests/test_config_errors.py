@@ -168,6 +168,7 @@ def _sample(name: str) -> tuple[object, str]:
         "policy": "round_robin",
         "pd_prefill_policy": "least_loaded",
         "pd_decode_policy": "round_robin",
+        "pd_order": "prefill-first",
         "salt_policy": "tenant",
         "redis_url": "redis://10.0.0.9:6379/0",
         "outlier_error_ratio": 0.25,

@@ -217,3 +217,30 @@ async def test_messages_and_responses_go_through_both_legs(fleet: Fleet, gateway
     assert corrupt([p, d1, d2]) == 0
     reason = 'prefix_router_pd_prefill_skipped_total{reason="stored_response"}'
     assert await metric(gw, reason) == 1
+
+
+async def test_prefill_first_chooses_the_decode_replica_after_the_prefill_answer(
+    fleet: Fleet, gateway: Any
+) -> None:
+    """pd_order prefill-first: a decode replica that went down while the prefill leg ran is
+    not sent the leg (decode-first would send it there, fail, and run the prefill again)."""
+    p, d1, d2 = await nixl(fleet, 3)
+    sims = {x.url: x for x in (p, d1, d2)}
+    urls = [d1.url, d2.url]
+    gw = await gateway([], prefill_replicas=[p.url], decode_replicas=urls, pd_order="prefill-first")
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, gw.url + CHAT, chat_body(LONG_USER))
+        warm = sims[headers[REPLICA_HDR]]
+        other = d2 if warm is d1 else d1
+        p.faults.hang_next(1)
+        body = chat_body(LONG_USER + " Now the appendix. " + "Another finding to weigh. " * 100)
+        task = asyncio.create_task(post(s, gw.url + CHAT, body))
+        await wait_for(lambda: _true(p.faults.hanging == 1), what="the prefill leg running")
+        await warm.stop()
+        replica = gw.gateway.fleet.replicas[warm.url]
+        await wait_for(lambda: _true(not replica.healthy), what="the gateway sees it down")
+        p.faults.release()
+        status, headers, _ = await task
+    assert status == 200 and headers[REPLICA_HDR] == other.url
+    assert len(p.stats["records"]) == 2 and corrupt([p, other]) == 0
+    assert await metric(gw, 'prefix_router_pd_fallbacks_total{reason="decode_failed"}') == 0

@@ -20,6 +20,8 @@ def disaggregation_problems(config: Config) -> list[str]:
         value = config.get(name)
         if value is not None and value not in policy_names():
             out.append(f"{name} must be one of {', '.join(policy_names())}, got {value!r}")
+    if pd.pd_order not in ("decode-first", "prefill-first"):
+        out.append(f"pd_order must be decode-first or prefill-first, got {pd.pd_order!r}")
     if min(pd.pd_min_prompt_tokens, pd.pd_min_uncached_tokens) < 0:
         out.append("pd_min_prompt_tokens and pd_min_uncached_tokens must be >= 0")
     roles: dict[str, str] = {}

@@ -40,3 +40,9 @@ class Disaggregation:
         "the decode pool's scheduling policy (default: --policy's: prefix-aware, since a "
         "decode replica pulls only the blocks it lacks; least_loaded ignores them)",
     )
+    pd_order: str = _opt(
+        "decode-first",
+        "decode-first: the decode replica is chosen before the prefill leg, and its cache "
+        "decides whether to split; prefill-first: chosen again once the prefill leg answered "
+        "(on the load then)",
+    )

@@ -30,9 +30,11 @@ async def plan(
     exclude: frozenset[str],
     slot: str | None,
     thresholds: Thresholds,
+    prefill_first: bool = False,
 ) -> Plan:
     """The request's legs: a prefill leg then a decode leg, or the decode leg alone with why
-    (``Plan.skipped``). ``slot``: flow control's reservation, on the prefill pool."""
+    (``Plan.skipped``). ``slot``: flow control's reservation, on the prefill pool.
+    ``prefill_first``: the decode leg's replica is chosen again after the prefill answer."""
     decode = await choose(rr, exclude, None, "decode")  # none left: the request's 502/503
     if rr.pinned_replica is not None:
         # previous_response_id: the chain is in the store of the replica that answered it,
@@ -47,4 +49,4 @@ async def plan(
     except APIError:  # every prefill replica down or failed this request: aggregated
         return Plan((decode,), NO_PREFILL_REPLICA)
     # The decode replica computes one token of the prompt (it pulls the rest).
-    return Plan((prefill, dataclasses.replace(decode, prefill_tokens=0)))
+    return Plan((prefill, dataclasses.replace(decode, prefill_tokens=0)), None, prefill_first)

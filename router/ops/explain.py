@@ -180,6 +180,7 @@ def explain_plan(plan: Plan, thresholds: Thresholds) -> dict[str, Any]:
     return {
         "prefill_leg": len(plan.legs) > 1,
         "skipped": plan.skipped,
+        "decode_chosen_after_prefill": plan.decode_after_prefill,
         "thresholds": dataclasses.asdict(thresholds),
         "legs": [
             {

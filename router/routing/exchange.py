@@ -21,6 +21,7 @@ once per gateway; an ``Exchange`` holds the mutable state of one request's life.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -157,6 +158,8 @@ class Exchange(Generic[A]):
                 for leg in plan.legs:  # adapters first: a decode leg never waits after P
                     await path.upkeep.ensure_adapter(rr, leg.replica)
                 for leg in plan.legs:
+                    if plan.decode_after_prefill and handover.pulls_from and leg.role == "decode":
+                        leg = await self.decode_again(leg)
                     leg = handover.decode_leg(leg)
                     handover.sending(leg)
                     body = handover.body(leg)
@@ -188,6 +191,15 @@ class Exchange(Generic[A]):
         finally:
             retries.end(retrying)
             ticket.done()  # close: its prefill slot back, however the request ended
+
+    async def decode_again(self, planned: Leg) -> Leg:
+        """Prefill-first order: the decode replica chosen now, on the load once the prefill
+        leg answered (an adapter loaded if it moved: the one wait between the legs)."""
+        path, rr = self.path, self.rr
+        leg = await path.leg(rr, frozenset(self.tried), None, "decode")
+        if leg.replica is not planned.replica:
+            await path.upkeep.ensure_adapter(rr, leg.replica)
+        return dataclasses.replace(leg, prefill_tokens=0)
 
     # -- one leg: account, send, first byte, outcome -----------------------------------------
     async def leg(

@@ -31,6 +31,8 @@ class Plan:
     # In a disaggregated fleet, why the request has no prefill leg (router/disagg/decision.py;
     # None: it has one, or the fleet does not disaggregate).
     skipped: str | None = None
+    # Prefill-first order: the decode leg's replica is chosen again once the prefill answered.
+    decode_after_prefill: bool = False
 
     @property
     def last(self) -> Leg:

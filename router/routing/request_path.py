@@ -105,6 +105,7 @@ class RequestPath(Preparation):
         pd = config.disaggregation
         self.disaggregated = bool(pd.prefill_replicas)
         self.thresholds = Thresholds(pd.pd_min_prompt_tokens, pd.pd_min_uncached_tokens)
+        self.prefill_first = pd.pd_order == "prefill-first"
         for role, name in (("prefill", pd.pd_prefill_policy), ("decode", pd.pd_decode_policy)):
             routing = dataclasses.replace(config.routing, policy=name or config.routing.policy)
             self.pipelines[role] = from_config(routing, wiring.ring)  # type: ignore[index]
@@ -228,7 +229,9 @@ class RequestPath(Preparation):
         fleet a prefill and a decode leg (router/disagg/planner.py). ``slot``: where flow
         control reserved the request's prefill slot (``Ticket.replica``)."""
         if self.disaggregated:
-            return await planner.plan(self.leg, rr, exclude, slot, self.thresholds)
+            return await planner.plan(
+                self.leg, rr, exclude, slot, self.thresholds, self.prefill_first
+            )
         return Plan((await self.leg(rr, exclude, slot, "both"),))
 
     async def leg(
