@@ -244,3 +244,18 @@ async def test_prefill_first_chooses_the_decode_replica_after_the_prefill_answer
     assert status == 200 and headers[REPLICA_HDR] == other.url
     assert len(p.stats["records"]) == 2 and corrupt([p, other]) == 0
     assert await metric(gw, 'prefix_router_pd_fallbacks_total{reason="decode_failed"}') == 0
+
+
+async def test_a_client_that_sets_kv_transfer_params_drives_the_transfer(
+    fleet: Fleet, gateway: Any
+) -> None:
+    """A client trusted to send kv_transfer_params (auth off, or its tenant's allow_fields)
+    gets its request sent as it is, to a decode replica: the gateway does not split it."""
+    p, d = await nixl(fleet, 2)
+    gw = await gateway([], prefill_replicas=[p.url], decode_replicas=[d.url])
+    body = chat_body(LONG_USER, kv_transfer_params={"do_remote_prefill": False})
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, gw.url + CHAT, body)
+    assert status == 200 and headers[REPLICA_HDR] == d.url and legs_seen([p]) == 0
+    reason = 'prefix_router_pd_prefill_skipped_total{reason="client_transfer_params"}'
+    assert await metric(gw, reason) == 1

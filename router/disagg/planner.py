@@ -20,6 +20,7 @@ from router.intake.routed_request import RoutedRequest
 from router.routing.plan import Leg, Plan
 
 STORED_RESPONSE = "stored_response"  # a Responses chain lives in one replica's store
+CLIENT_TRANSFER_PARAMS = "client_transfer_params"  # the client set kv_transfer_params
 
 ChooseLeg = Callable[[RoutedRequest, frozenset[str], "str | None", Role], Awaitable[Leg]]
 
@@ -36,6 +37,10 @@ async def plan(
     (``Plan.skipped``). ``slot``: flow control's reservation, on the prefill pool.
     ``prefill_first``: the decode leg's replica is chosen again after the prefill answer."""
     decode = await choose(rr, exclude, None, "decode")  # none left: the request's 502/503
+    if "kv_transfer_params" in rr.body:
+        # A client trusted to set them (auth off, or its tenant's allow_fields: tenancy
+        # refuses them otherwise) drives the transfer itself: sent as it is.
+        return Plan((decode,), CLIENT_TRANSFER_PARAMS)
     if rr.pinned_replica is not None:
         # previous_response_id: the chain is in the store of the replica that answered it,
         # which serves the request whole (a prefill replica would answer 404).

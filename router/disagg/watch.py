@@ -50,7 +50,7 @@ class PdWatch:
             "prefix_router_pd_prefill_skipped",
             "Requests served on a decode replica without a prefill leg, by reason "
             "(short_prompt, cached_on_decode, several_sequences, no_prefill_replica, "
-            "stored_response)",
+            "stored_response, client_transfer_params)",
             ["reason"],
             registry=registry,
         )
