@@ -259,3 +259,25 @@ async def test_a_client_that_sets_kv_transfer_params_drives_the_transfer(
     assert status == 200 and headers[REPLICA_HDR] == d.url and legs_seen([p]) == 0
     reason = 'prefix_router_pd_prefill_skipped_total{reason="client_transfer_params"}'
     assert await metric(gw, reason) == 1
+
+
+async def test_a_prefill_replica_gone_before_the_pull_is_not_a_failed_request(
+    fleet: Fleet, gateway: Any
+) -> None:
+    """The prefill replica answers, then dies before the decode replica pulls: vLLM's
+    decode replica answers 500 (kv_load_failure_policy "fail"), before any byte of the
+    answer. The gateway plans again without that prefill replica (here: none left, so the
+    decode replica serves the request whole); the client sees a 200."""
+    p, d = await nixl(fleet, 2)
+    gw = await gateway([], prefill_replicas=[p.url], decode_replicas=[d.url])
+    d.faults.hang_next(1)
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(post(s, gw.url + CHAT, chat_body(LONG_USER)))
+        await wait_for(lambda: _true(d.faults.hanging == 1), what="the decode leg held")
+        assert len(p.stats["records"]) == 1  # the prefill leg answered
+        await p.stop()
+        d.faults.release()
+        status, headers, _ = await task
+    assert status == 200 and headers[REPLICA_HDR] == d.url
+    assert d.stats["kv_load_failures"] == 1 and d.stats["kv_corrupt_reads"] == 0
+    assert await metric(gw, 'prefix_router_pd_fallbacks_total{reason="pull_failed"}') == 1

@@ -14,15 +14,20 @@ import json
 
 from router.disagg import legs
 from router.disagg.watch import LOOPBACK_SIDE_CHANNEL, NO_TRANSFER_PARAMS, PdWatch
+from router.fleet.replicas import Replica
 from router.intake.routed_request import RoutedRequest
 from router.routing.plan import Leg, Plan
 from router.upstream.proxy import Outcome
+
+# A decode leg's answers retried rather than relayed: vLLM answers a failed KV pull with a
+# 500 (E/generate/base/serving.py), before any byte of the answer.
+PULL_RETRY = frozenset({500, 502, 503})
 
 
 class Handover:
     """One plan's hand-over from its prefill leg to its decode leg."""
 
-    __slots__ = ("answer", "pulls_from", "rr", "split", "watch")
+    __slots__ = ("answer", "prefill", "pulls_from", "rr", "split", "watch")
 
     def __init__(self, rr: RoutedRequest, plan: Plan, watch: PdWatch) -> None:
         self.rr = rr
@@ -30,6 +35,7 @@ class Handover:
         self.split = len(plan.legs) > 1
         self.answer: legs.PrefillAnswer | None = None  # the prefill answer, once in
         self.pulls_from: str | None = None  # the prefill replica a decode leg pulls from
+        self.prefill: Replica | None = None  # that replica
         if plan.skipped is not None:
             watch.skipped.labels(plan.skipped).inc()
 
@@ -77,17 +83,24 @@ class Handover:
             self.watch.fallbacks.labels(f"prefill_http_{outcome.status // 100}xx").inc()
             return
         if answer.params is not None:
-            self.pulls_from = url
+            self.pulls_from, self.prefill = url, leg.replica
         if answer.params is None:
             self.watch.problem(NO_TRANSFER_PARAMS, url)
             self.watch.fallbacks.labels(NO_TRANSFER_PARAMS).inc()
         elif legs.loopback_side_channel(answer.params, url):
             self.watch.problem(LOOPBACK_SIDE_CHANNEL, url, answer.params.get("remote_host"))
 
-    def failed(self, leg: Leg) -> None:
-        """``leg`` failed before its first byte: the exchange plans again."""
+    def failed(self, leg: Leg, why: str) -> Replica:
+        """``leg`` failed before its first byte, and the exchange plans again without the
+        replica returned: the leg's own, or for a decode leg that answered a 500 after
+        pulling, the prefill replica (vLLM's kv_load_failure_policy "fail": the pull failed,
+        most likely the prefill replica went away with the blocks)."""
+        if leg.role == "decode" and self.prefill is not None and why == "HTTP 500":
+            self.watch.fallbacks.labels("pull_failed").inc()
+            return self.prefill
         if self.split:
             self.watch.fallbacks.labels(f"{leg.role}_failed").inc()
+        return leg.replica
 
     def learned(self, leg: Leg, outcome: Outcome) -> Outcome:
         """The outcome ``leg`` teaches: a decode leg that pulled reports the prefill side's

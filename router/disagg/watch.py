@@ -60,7 +60,8 @@ class PdWatch:
             "replica or aggregated; decode_failed: the prefill leg run again for another "
             "decode replica; no_transfer_params: served aggregated on the decode replica; "
             "prefill_http_4xx: the prefill replica refused the request, the decode replica "
-            "answers it whole)",
+            "answers it whole; pull_failed: the decode replica could not pull (a 500), "
+            "planned again without that prefill replica)",
             ["reason"],
             registry=registry,
         )

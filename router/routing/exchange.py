@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 from router.disagg.collect import Collect
-from router.disagg.handover import Handover
+from router.disagg.handover import PULL_RETRY, Handover
 from router.disagg.watch import PdWatch
 from router.fleet.replicas import Fleet
 from router.flow.ticket import Ticket
@@ -37,7 +37,12 @@ from router.routing.accounting import Attempt, charge, prefilled, release
 from router.routing.forwarder import Retries, idle_among, queued_everywhere
 from router.routing.plan import Leg
 from router.routing.request_path import RequestPath
-from router.upstream.proxy import STREAM_ERROR_SHAPES, Outcome, UpstreamUnavailable
+from router.upstream.proxy import (
+    RETRYABLE_STATUS,
+    STREAM_ERROR_SHAPES,
+    Outcome,
+    UpstreamUnavailable,
+)
 from router.upstream.transport import Transport, Wire
 
 log = logging.getLogger("prefix_router")
@@ -171,17 +176,17 @@ class Exchange(Generic[A]):
                             pulls_from = handover.pulls_from
                             answer, outcome = await self.leg(leg, self.transport, body, pulls_from)
                     except UpstreamUnavailable as e:
-                        self.tried.add(leg.replica.url)
-                        handover.failed(leg)
+                        failed = handover.failed(leg, e.why)  # a failed pull: the prefill's
+                        self.tried.add(failed.url)
                         await self.unavailable(leg, e.why)
                         tried = frozenset(self.tried)
                         retrying = await retries.failed(
-                            fleet, leg.replica, e, tried, retrying, self.saturated, self.idle
+                            fleet, failed, e, tried, retrying, self.saturated, self.idle
                         )
                         log.info(
                             "request %s: %s failed before the first byte (%s); retrying",
                             rr.request_id,
-                            leg.replica.url,
+                            failed.url,
                             e.why,
                         )
                         break  # re-planned: a failed decode leg runs its prefill again
@@ -243,6 +248,7 @@ class Exchange(Generic[A]):
             "POST",
             STREAM_ERROR_SHAPES[rr.endpoint],
             owner.fleet().first_byte_timeout(leg.replica, rr.stream, tokens),
+            PULL_RETRY if pulls_from is not None else RETRYABLE_STATUS,
         )
         self.attempt = attempt
         outcome: Outcome | None = None

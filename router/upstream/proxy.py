@@ -252,6 +252,7 @@ async def proxy(
     stream_error: StreamErrorShape = "openai",
     headers_timeout: float | None = None,
     method: str = "POST",
+    retry_status: frozenset[int] = RETRYABLE_STATUS,
 ) -> tuple[web.StreamResponse, Outcome]:
     """Send ``body`` to ``url`` (``method``, POST by default) and relay the answer to ``request``'s client.
 
@@ -259,7 +260,8 @@ async def proxy(
     its first body bytes arrive (for a stream, the end of its prefill). Raises
     ``UpstreamUnavailable`` only before anything reached the client. A stream the replica
     cuts ends with one error event in ``stream_error``'s shape and a truncated body.
-    ``headers_timeout`` bounds the wait for response headers (default: the pool's)."""
+    ``headers_timeout`` bounds the wait for response headers (default: the pool's).
+    ``retry_status``: the answers that are ``UpstreamUnavailable`` rather than relayed."""
     start = time.perf_counter()
     try:
         upstream = await pool.post(
@@ -268,7 +270,7 @@ async def proxy(
     except UpstreamError as e:
         raise UpstreamUnavailable(e.why) from e
     try:
-        if upstream.status in RETRYABLE_STATUS:
+        if upstream.status in retry_status:
             raise UpstreamUnavailable(f"HTTP {upstream.status}")
         out_headers = _response_headers(upstream.headers, extra_headers)
         if "text/event-stream" not in upstream.header("content-type"):

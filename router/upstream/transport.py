@@ -22,7 +22,7 @@ from typing import Generic, Protocol, TypeVar
 from aiohttp import web
 
 from router.upstream.client import UpstreamPool
-from router.upstream.proxy import Outcome, StreamErrorShape, proxy
+from router.upstream.proxy import RETRYABLE_STATUS, Outcome, StreamErrorShape, proxy
 
 Answer = TypeVar("Answer")
 Answer_co = TypeVar("Answer_co", covariant=True)
@@ -49,6 +49,9 @@ class Wire:
     method: str = "POST"
     stream_error: StreamErrorShape = "openai"  # the API's shape for an error mid-stream
     headers_timeout: float | None = None  # the wait for response headers (None: the pool's)
+    # Answers not relayed but retried (a decode leg's 500: its KV pull failed, vLLM's
+    # kv_load_failure_policy "fail")
+    retry_status: frozenset[int] = RETRYABLE_STATUS
 
 
 class Transport(Protocol, Generic[Answer_co]):
@@ -80,6 +83,7 @@ class Relay:
             stream_error=wire.stream_error,
             headers_timeout=wire.headers_timeout,
             method=wire.method,
+            retry_status=wire.retry_status,
         )
         report.first_byte()  # a whole (non-streamed) answer: its first byte came with the rest
         return resp, outcome
