@@ -1,7 +1,8 @@
 """The layout of router/, held so later work does not undo it (issue 40): no import cycle,
 counting every import (function-level, ``if TYPE_CHECKING:`` and a submodule importing its own
-package's ``__init__`` alike); at most 12 modules directly in router/, the rest in folders that
-show the layers; no file under router/ over 500 lines. Checked on the source, with ast.
+package's ``__init__`` alike), and router/core/ imports nothing above it; at most 12 modules
+directly in router/, the rest in folders that show the layers; no file under router/ over 500
+lines. Checked on the source, with ast.
 """
 
 from __future__ import annotations
@@ -106,6 +107,18 @@ def test_router_has_no_import_cycle_counting_every_import():
     g = graph()
     found = [f"{' -> '.join(a_cycle(g, c))} (in all: {', '.join(c)})" for c in cycles(g, "router")]
     assert not found, "import cycles (every import counted):\n" + "\n".join(found)
+
+
+def test_core_imports_nothing_above_it():
+    # router/core/ is the lowest layer: every other folder may import it, it imports none
+    g = graph()
+    up = {
+        m: sorted(t for t in ts if t.startswith("router") and not t.startswith("router.core"))
+        for m, ts in g.items()
+        if m.startswith("router.core")
+    }
+    up = {m: ts for m, ts in up.items() if ts}
+    assert not up, f"router/core/ imports above it: {up}"
 
 
 def test_at_most_12_modules_directly_in_router():

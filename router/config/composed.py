@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.config.disaggregation import Disaggregation
-from router.config.errors import mask_url_credentials
 from router.config.sections import (
     Auth,
     Discovery,
@@ -23,6 +22,7 @@ from router.config.sections import (
     Routing,
     Server,
 )
+from router.core.urls import mask_url_credentials
 
 
 @dataclass

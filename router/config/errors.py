@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Iterable, Sequence
+
+from router.core.urls import mask_url_credentials
+
+__all__ = ["ConfigError", "did_you_mean", "mask_url_credentials"]
 
 
 class ConfigError(ValueError):
@@ -14,14 +17,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: str | Sequence[str]) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
-
-
-_URL_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
-
-
-def mask_url_credentials(text: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://***@host``: a URL's user info never shows."""
-    return _URL_CREDENTIALS.sub(r"\1***@", text)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -27,6 +27,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
+from router.core.urls import mask_url_credentials
+
 Kind = Literal["standalone", "cluster", "sentinel"]
 Client = Redis | RedisCluster
 
@@ -76,8 +78,6 @@ def _host_port(item: str, default_port: int, url: str) -> tuple[str, int]:
 
 def parse_redis_url(url: str) -> RedisTarget:
     """The target of ``url``; ValueError (one line, credentials masked) when malformed."""
-    from router.config.errors import mask_url_credentials
-
     shown = repr(mask_url_credentials(url))
     if not url.startswith(SCHEMES):
         raise ValueError(
