@@ -43,7 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(dump_yaml(config), end="")
         return 0
     listed = config.discovery.replicas + config.disaggregation.decode_replicas
-    if not listed and not config.discovery.discovery_dns:
+    named = config.discovery.discovery_dns or config.disaggregation.pd_decode_dns
+    if not listed and not named:
         raise UsageError(
             "no replicas: pass --replica URL (repeatable), set replicas in --config, "
             "PREFIX_ROUTER_REPLICAS, or discovery_dns (to try it without vLLM: "

@@ -376,3 +376,25 @@ def test_config_validation() -> None:
         DnsDiscoveryConfig.from_mapping({"port": 8000})
     with pytest.raises(ValueError, match="port"):
         DnsDiscoveryConfig.from_mapping({"dns": NAME, "port": 0})
+
+
+async def test_one_name_per_role_replaces_only_that_roles_replicas() -> None:
+    """P/D: ``disaggregation: {prefill_dns, decode_dns}`` resolve into one role each
+    (router/fleet/wiring.py): a change to one name's records leaves the other role alone."""
+    import aiohttp
+
+    from router.config import load_config
+    from router.disagg import roles
+    from router.fleet.replicas import Fleet
+
+    config = load_config(env={}, pd_prefill_dns="prefill.test", pd_decode_dns="decode.test")
+    assert roles.dns_names(config) == [("prefill", "prefill.test"), ("decode", "decode.test")]
+    assert roles.disaggregating(config)
+    closed = [f"http://127.0.0.1:{port}" for port in (1, 2, 3, 4)]  # nothing listens there
+    async with aiohttp.ClientSession() as session:
+        fleet = Fleet([], session)
+        await fleet.set_urls(closed[:1], "prefill")
+        await fleet.set_urls(closed[1:3], "decode")
+        await fleet.set_urls(closed[3:], "prefill")
+        found = {url: r.role for url, r in fleet.replicas.items()}
+    assert found == {closed[1]: "decode", closed[2]: "decode", closed[3]: "prefill"}

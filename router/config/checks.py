@@ -35,7 +35,10 @@ def disaggregation_problems(config: Config) -> list[str]:
             if key in roles and roles[key] != role:
                 out.append(f"{url} is listed as both {roles[key]} and {role}: give it one role")
             roles.setdefault(key, role)
-    if pd.prefill_replicas and not (pd.decode_replicas or config.discovery.replicas):
+    decoders = pd.decode_replicas or pd.pd_decode_dns or config.discovery.replicas
+    if (pd.prefill_replicas or pd.pd_prefill_dns) and not (
+        decoders or config.discovery.discovery_dns
+    ):
         out.append("prefill_replica needs a decode_replica (or a replica) to decode")
     return out
 

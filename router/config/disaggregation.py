@@ -46,3 +46,9 @@ class Disaggregation:
         "decides whether to split; prefill-first: chosen again once the prefill leg answered "
         "(on the load then)",
     )
+    pd_prefill_dns: str | None = _opt(
+        None,
+        "discover prefill replicas by resolving this DNS name (port, interval and nameserver: "
+        "discovery's)",
+    )
+    pd_decode_dns: str | None = _opt(None, "discover decode replicas by resolving this DNS name")

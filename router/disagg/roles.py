@@ -34,6 +34,23 @@ def configured(config: Config) -> list[tuple[str, Role]]:
     return list(out.items())
 
 
+def dns_names(config: Config) -> list[tuple[Role, str]]:
+    """The DNS names discovering one role each (``disaggregation: {prefill_dns, decode_dns}``;
+    port, interval and nameserver are discovery's)."""
+    pd = config.disaggregation
+    found: list[tuple[Role, str | None]] = [
+        ("prefill", pd.pd_prefill_dns),
+        ("decode", pd.pd_decode_dns),
+    ]
+    return [(role, name) for role, name in found if name]
+
+
+def disaggregating(config: Config) -> bool:
+    """The configuration names prefill replicas (listed or by DNS): the gateway splits."""
+    pd = config.disaggregation
+    return bool(pd.prefill_replicas or pd.pd_prefill_dns)
+
+
 def disaggregated(replicas: Iterable[Replica]) -> bool:
     """A fleet with a prefill replica (healthy or not) disaggregates."""
     return any(r.role == "prefill" for r in replicas)

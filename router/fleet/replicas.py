@@ -164,16 +164,20 @@ class Fleet:
         )
 
     # -- membership -------------------------------------------------------------------------
-    async def set_urls(self, urls: Sequence[str]) -> None:
-        """Replace the membership (DNS discovery); new replicas are probed before use."""
+    async def set_urls(self, urls: Sequence[str], role: Role | None = None) -> None:
+        """Replace the membership (DNS discovery); new replicas are probed before use.
+        ``role``: replace only the replicas of that role (one DNS name per role), the new
+        ones taking it."""
         wanted = {u.rstrip("/") for u in urls}
         for url in list(self.replicas):
-            if url not in wanted:
+            if url not in wanted and (role is None or self.replicas[url].role == role):
                 replica = self.replicas.pop(url)
                 log.info("replica removed: %s", url)
                 await self._emit(replica, "removed")
         new = [self._new_replica(u, healthy=False) for u in sorted(wanted - set(self.replicas))]
         for replica in new:
+            if role is not None:
+                replica.role = role
             self.replicas[replica.url] = replica
             log.info("replica added: %s", replica.url)
         await asyncio.gather(*(self._probe(r) for r in new))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -18,7 +20,7 @@ from router.disagg import roles
 from router.fleet.discovery import DnsDiscovery
 from router.fleet.mode import FleetMode, Spawn
 from router.fleet.outlier import OutlierPolicy
-from router.fleet.replicas import Fleet, Replica
+from router.fleet.replicas import Fleet, Replica, Role
 from router.fleet.shared_state import FleetSync
 from router.index import MemoryIndex, PrefixIndex
 from router.kv_events import KVEventSubscriber
@@ -42,6 +44,7 @@ class FleetWiring:
         self._fleet: Fleet | None = None
         self.fleet_mode: FleetMode | None = None  # Redis shared with other gateways
         self.discovery: DnsDiscovery | None = None  # DNS discovery of replicas, if configured
+        self.role_discovery: list[DnsDiscovery] = []  # a name per P/D role, if configured
         self.kv_events: KVEventSubscriber | None = None  # precise mode (router/kv_events/)
         self._model_reported = asyncio.Event()  # a replica reported its models (start-up wait)
         self.fleet_listeners: list[FleetListener] = []  # after the wiring's own handling
@@ -94,6 +97,12 @@ class FleetWiring:
         if config.discovery.discovery_dns:
             self.discovery = DnsDiscovery.from_config(config.discovery, self._on_discovered)
             await self.discovery.start()  # the first lookup completes before serving
+        for role, name in roles.dns_names(config):  # one name per P/D role
+            settings = dataclasses.replace(config.discovery, discovery_dns=name)
+            found = functools.partial(self._on_discovered, role=role)
+            discovery = DnsDiscovery.from_config(settings, found)
+            self.role_discovery.append(discovery)
+            await discovery.start()
 
     async def wait_for_a_model(self, has_renderer: bool = False) -> None:
         """With no tokenizer configured the gateway renders with the models the replicas
@@ -119,8 +128,12 @@ class FleetWiring:
         self.fleet_mode = FleetMode(self.config, self.fleet, self.metrics, spawn, self.sync_ring)
         self.index = await self.fleet_mode.start()
 
-    async def _on_discovered(self, urls: list[str]) -> None:
-        await self.fleet.set_urls(urls)
+    async def _on_discovered(self, urls: list[str], role: Role | None = None) -> None:
+        """DNS says the replicas are ``urls``: those of ``role`` with a name per role; with
+        P/D configured, the generic name's are the ``both`` ones (the others stay)."""
+        if role is None and roles.disaggregating(self.config):
+            role = "both"
+        await self.fleet.set_urls(urls, role)
         await self.apply_capacities()
         self.sync_ring()
         self.on_discovered()
@@ -128,6 +141,8 @@ class FleetWiring:
     async def close(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        for discovery in self.role_discovery:
+            await discovery.stop()
         if self.fleet_mode is not None:
             await self.fleet_mode.stop()
         if self._fleet is not None:

@@ -103,7 +103,7 @@ class RequestPath(Preparation):
         self.policy: Pipeline = self.pipelines["both"]  # schedule + policy flags
         # Prefill/decode disaggregation (router/disagg/): a pipeline per pool.
         pd = config.disaggregation
-        self.disaggregated = bool(pd.prefill_replicas)
+        self.disaggregated = roles.disaggregating(config)
         self.thresholds = Thresholds(pd.pd_min_prompt_tokens, pd.pd_min_uncached_tokens)
         self.prefill_first = pd.pd_order == "prefill-first"
         for role, name in (("prefill", pd.pd_prefill_policy), ("decode", pd.pd_decode_policy)):
