@@ -90,6 +90,30 @@ def summary_table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def pd_table(results: Sequence[RunResult]) -> str:
+    """P/D columns: the requests the gateway gave a prefill leg (its
+    ``x-prefix-router-prefill-replica`` header), over how many prefill replicas, and their
+    TTFT beside the requests served without one."""
+    head = "| run | with a prefill leg | prefill replicas | TTFT p50 ms split | unsplit |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        ok = [x for x in r.records if x.ok]
+        split = [x for x in ok if x.prefill_replica]
+        share = len(split) / len(ok) if ok else None
+
+        def p50(recs: list[Any]) -> str:
+            ttfts = sorted(t for x in recs if (t := x.ttft_s) is not None)
+            return f"{1000 * ttfts[len(ttfts) // 2]:.1f}" if ttfts else "-"
+
+        rest = [x for x in ok if not x.prefill_replica]
+        replicas = len({x.prefill_replica for x in split})
+        lines.append(
+            f"| {r.label} | {len(split)} ({_pct(share)}) | {replicas} | {p50(split)} | "
+            f"{p50(rest)} |"
+        )
+    return "\n".join(lines)
+
+
 def replica_table(r: RunResult) -> str:
     lines = [
         "| replica | requests | hit rate | queried tokens | hit tokens | prefilled tokens |",
@@ -290,6 +314,9 @@ def render_summary(
             + ", ".join(f"`{r.label}` {_pct(r.client_hit_rate)}" for r in client)
             + ".",
         ]
+    disaggregated = [r for r in results if any(x.prefill_replica for x in r.records)]
+    if disaggregated:
+        out += ["", "## Prefill/decode disaggregation", "", pd_table(disaggregated)]
     if results[0].stream:
         for key, title in (("context", "TTFT by prompt size"), ("turn", "TTFT by turn")):
             table = ttft_by(results, key)

@@ -281,3 +281,38 @@ async def test_a_prefill_replica_gone_before_the_pull_is_not_a_failed_request(
     assert status == 200 and headers[REPLICA_HDR] == d.url
     assert d.stats["kv_load_failures"] == 1 and d.stats["kv_corrupt_reads"] == 0
     assert await metric(gw, 'prefix_router_pd_fallbacks_total{reason="pull_failed"}') == 1
+
+
+async def test_the_load_test_report_shows_the_prefill_legs(
+    fleet: Fleet, gateway: Any, tmp_path: Any
+) -> None:
+    from loadtest import workloads
+    from loadtest.report import render_summary
+    from loadtest.runner import GatewayTarget, run_workload
+
+    p, d = await nixl(fleet, 2)
+    gw = await gateway([], prefill_replicas=[p.url], decode_replicas=[d.url])
+    workload = workloads.multi_tenant(
+        seed=0,
+        tenants=2,
+        conversations=3,
+        rate=40.0,
+        turns=(2, 2),
+        think_time_s=0.01,
+        system_words=300,
+        max_tokens=4,
+    )
+    res = await run_workload(
+        GatewayTarget(gw.url, [p.url, d.url]),
+        workload,
+        concurrency=2,
+        max_seconds=30,
+        request_timeout_s=10,
+        progress=False,
+        compute_ideal=False,
+    )
+    split = [r for r in res.records if r.prefill_replica == p.url]
+    assert res.ok == res.sent and split and len(split) == len(p.stats["records"])
+    summary = render_summary([res], command="test")
+    assert "## Prefill/decode disaggregation" in summary
+    assert f"| {res.label} | {len(split)} (" in summary
