@@ -223,34 +223,34 @@ class RequestPath(Preparation):
         return self.policy.choose(rr, [r.candidate(0) for r in replicas]).replica
 
     async def plan(
-        self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
-    ) -> Plan:
-        """Where ``rr``'s legs go (router/routing/plan.py): one ``both`` leg, or in a disaggregated
-        fleet a prefill and a decode leg (router/disagg/planner.py). ``slot``: where flow
-        control reserved the request's prefill slot (``Ticket.replica``)."""
-        if self.disaggregated:
-            return await planner.plan(
-                self.leg, rr, exclude, slot, self.thresholds, self.prefill_first
-            )
-        return Plan((await self.leg(rr, exclude, slot, "both"),))
-
-    async def leg(
         self,
         rr: RoutedRequest,
         exclude: frozenset[str] = frozenset(),
         slot: str | None = None,
         role: Role = "both",
-    ) -> Leg:
-        """``role``'s pipeline's replica for ``rr``, with the prompt tokens it is predicted
-        to compute. ``slot``: a prefix nobody holds goes there, a replica no request queued
-        before it waits for (``Capacity.best_unheld``)."""
+    ) -> Plan:
+        """Where ``rr``'s legs go (router/routing/plan.py): one ``both`` leg, ``role``'s
+        pipeline's replica with the prompt tokens it is predicted to compute, or in a
+        disaggregated fleet a prefill and a decode leg (router/disagg/planner.py, which
+        asks for each role's leg: ``leg``). ``slot``: where flow control reserved the
+        request's prefill slot (``Ticket.replica``); a prefix nobody holds goes there, a
+        replica no request queued before it waits for (``Capacity.best_unheld``)."""
         t0 = time.perf_counter()
-        policy = self.pipelines[role]
-        replicas = self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
         if self.disaggregated:
-            replicas = [r for r in replicas if roles.in_pool(r, role)]
+            if role == "both":
+                return await planner.plan(
+                    self.leg, rr, exclude, slot, self.thresholds, self.prefill_first
+                )
+            replicas = [
+                r
+                for r in self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
+                if roles.in_pool(r, role)
+            ]
             if not replicas:
                 raise APIError(503, f"no {role} replica is available", code="no_replica")
+        else:
+            replicas = self.upkeep.serving(rr.model, exclude, rr.model_entry, rr.lora)
+        policy = self.pipelines[role]
         if rr.pinned_replica is not None:  # holds the state the request names
             replicas = [r for r in replicas if r.url == rr.pinned_replica] or replicas
         urls = [r.url for r in replicas]
@@ -280,7 +280,17 @@ class RequestPath(Preparation):
         # by the exchange once the tail is tokenized).
         prefill = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        return Leg(role, replica, decision, prefill)
+        return Plan((Leg(role, replica, decision, prefill),))
+
+    async def leg(
+        self,
+        rr: RoutedRequest,
+        exclude: frozenset[str] = frozenset(),
+        slot: str | None = None,
+        role: Role = "both",
+    ) -> Leg:
+        """``role``'s leg for ``rr`` (a disaggregated plan's prefill or decode leg)."""
+        return (await self.plan(rr, exclude, slot, role)).legs[0]
 
     async def decide(
         self, rr: RoutedRequest, exclude: frozenset[str] = frozenset(), slot: str | None = None
