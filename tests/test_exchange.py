@@ -81,11 +81,7 @@ def load(gw: Gateway) -> dict[str, tuple[int, int, int]]:
 
 def slots(gw: Gateway) -> dict[str | None, int]:
     """Flow control's prefill slots held, per replica (any model)."""
-    held: dict[str | None, int] = {}
-    for per_model in gw.path.flow.reserved.values():
-        for replica, n in per_model.items():
-            held[replica] = held.get(replica, 0) + n
-    return held
+    return gw.path.flow.reserved.by_replica()
 
 
 async def held_blocks(gw: Gateway, body: dict[str, Any]) -> dict[str, int]:

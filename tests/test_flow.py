@@ -471,3 +471,31 @@ async def test_retry_after_counts_the_callers_own_queue_not_other_tenants(fleet,
         await setup.release()
         assert {r[0] for r in await finish(tasks)} == {200}
     assert seen[0] == seen[1] == seen[2], seen
+
+
+async def test_a_tenant_alone_is_released_as_far_as_one_vllm_step_then_fairly(
+    setup: Setup,
+) -> None:
+    """Alone on the fleet, a tenant's requests go to the replica as vLLM's next step would
+    take them (three short prompts, far under its step's tokens): nobody waits to be served
+    fairly, so nothing waits in the gateway. A second tenant's request makes the gate fair
+    again: one request in prefill per replica, the rest queued in fair order."""
+    setup.replica.hang_next(4)
+    alone = [asyncio.create_task(setup.send(f"a{i}", "a", i)) for i in range(3)]
+
+    async def all_at_replica() -> bool:
+        return setup.replica.hanging == 3
+
+    await wait_for(all_at_replica, what="the tenant's three requests at the replica")
+    assert setup.queued == 0
+    contended = [await setup.enqueue("b0", "b", 0)]
+    contended.append(await setup.enqueue("a3", "a", 3))
+    assert setup.queued == 2 and setup.replica.hanging == 3
+    for task in alone + contended:
+        task.cancel()
+    await asyncio.gather(*alone, *contended, return_exceptions=True)
+
+    async def nothing_held() -> bool:
+        return setup.gw.gateway.flow.in_prefill(MODEL) == 0 and setup.queued == 0
+
+    await wait_for(nothing_held, what="every slot and queue place given back")

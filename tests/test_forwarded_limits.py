@@ -49,20 +49,25 @@ async def test_a_5_rpm_tenant_is_refused_on_forwarded_endpoints_past_5(fleet, ga
 
 
 async def test_pooling_requests_wait_for_a_prefill_slot(fleet, gateway) -> None:
-    """With flow control on and the fleet's one slot held, an embeddings request waits in
-    the gateway's queue, and is forwarded once the slot frees."""
+    """With flow control on and the fleet's one slot held (by another tenant: tenants
+    contend), an embeddings request waits in the gateway's queue, and is forwarded once the
+    slot frees."""
     (replica,) = await fleet(1)
-    gw = await gateway([replica.url], flow_control=True)
+    gw = await gateway([replica.url], flow_control=True, tenant_header="X-Tenant")
     flow = gw.gateway.flow
     async with aiohttp.ClientSession() as http:
         replica.hang_next(1)
-        held = asyncio.create_task(post(http, gw.url + "/v1/chat/completions", chat_body("hi")))
+        held = asyncio.create_task(
+            post(http, gw.url + "/v1/chat/completions", chat_body("hi"), {"X-Tenant": "a"})
+        )
 
         async def hanging() -> bool:
             return replica.hanging == 1
 
         await wait_for(hanging, what="the held request at the replica")
-        pooled = asyncio.create_task(post(http, gw.url + "/v1/embeddings", REQUESTS[0][1]))
+        pooled = asyncio.create_task(
+            post(http, gw.url + "/v1/embeddings", REQUESTS[0][1], {"X-Tenant": "b"})
+        )
 
         async def queued() -> bool:
             return sum(q.size for q in flow.queues.values()) == 1

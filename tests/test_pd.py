@@ -166,16 +166,23 @@ async def test_explain_shows_both_legs_and_why(fleet: Fleet, gateway: Any) -> No
 
 async def test_flow_control_counts_the_prefill_pool(fleet: Fleet, gateway: Any) -> None:
     """A request is admitted before its prefill leg, against the prefill replicas' slots: with
-    the one prefill replica busy, the next request waits in the gateway although the decode
-    replica is idle; its decode leg is never queued (the prefill slot is free at P's answer)."""
+    the one prefill replica busy (another tenant's request: tenants contend), the next request
+    waits in the gateway although the decode replica is idle; its decode leg is never queued
+    (the prefill slot is free at P's answer)."""
     p, d = await nixl(fleet, 2)
-    gw = await gateway([], prefill_replicas=[p.url], decode_replicas=[d.url], flow_control=True)
+    gw = await gateway(
+        [],
+        prefill_replicas=[p.url],
+        decode_replicas=[d.url],
+        flow_control=True,
+        tenant_header="X-Tenant",
+    )
     p.faults.hang_next(1)
     async with aiohttp.ClientSession() as s:
-        held = asyncio.create_task(post(s, gw.url + CHAT, chat_body(LONG_USER)))
+        held = asyncio.create_task(post(s, gw.url + CHAT, chat_body(LONG_USER), {"X-Tenant": "a"}))
         await wait_for(lambda: _true(p.faults.hanging == 1), what="the prefill leg held")
         queued = asyncio.create_task(
-            post(s, gw.url + CHAT, chat_body(LONG_USER, system="Other. " * 40))
+            post(s, gw.url + CHAT, chat_body(LONG_USER, system="Other. " * 40), {"X-Tenant": "b"})
         )
         flow = gw.gateway.path.flow
         await wait_for(

@@ -171,8 +171,11 @@ def problems(config: Config) -> list[str]:
             parse_redis_url(config.fleet.redis_url)  # one server, a cluster or a sentinel's
         except ValueError as exc:
             problems.append(str(exc))
-    if config.flow.flow_prefill_per_replica <= 0 or config.flow.flow_queue_timeout_s <= 0:
-        problems.append("flow_prefill_per_replica and flow_queue_timeout_s must be positive")
+    f = config.flow
+    if f.flow_prefill_per_replica <= 0 or f.flow_queue_timeout_s <= 0 or f.flow_step_tokens <= 0:
+        problems.append(
+            "flow_prefill_per_replica, flow_queue_timeout_s and flow_step_tokens must be positive"
+        )
     if (
         min(
             config.flow.flow_max_queue,

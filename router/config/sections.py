@@ -394,6 +394,13 @@ class Flow:
         "requests in prefill (sent, no first byte yet) each replica may have before requests "
         "wait in the gateway: vLLM's own queue cannot be reordered",
     )
+    flow_step_tokens: int = _opt(
+        2048,
+        "vLLM's --max-num-batched-tokens on the replicas (its default: 2048; 8192 on GPUs of "
+        "70 GB or more other than A100): while one tenant is alone, a replica takes released "
+        "requests until this many uncached prompt tokens are in prefill there, as one vLLM "
+        "step would take them",
+    )
     flow_waiting_max: int = _opt(
         4, "a replica reporting this many vllm:num_requests_waiting takes no released request"
     )

@@ -36,6 +36,7 @@ from router.flow.fairqueue import BAND_RANK, BANDS, Entry, FairQueue
 from router.flow.metrics import FlowMetrics
 from router.flow.ratelimit import RateLimiter
 from router.flow.request import Estimate, FlowRequest, Place
+from router.flow.reservations import Contention, Reservations
 from router.flow.saturation import Capacity, ReplicaView, Waiting, capacity
 from router.flow.settings import FlowConfig, FlowSettings
 from router.flow.ticket import Ticket, shed_error, too_large
@@ -67,8 +68,8 @@ class FlowController:
         self.metrics = FlowMetrics(registry)
         self.limits = RateLimiter()
         self.queues: dict[str, FairQueue[_Waiter]] = {}
-        # model -> replica (None: released, not placed yet) -> requests in prefill
-        self.reserved: dict[str, dict[str | None, int]] = {}
+        self.reserved = Reservations()  # released requests not at their first byte yet
+        self.contention = Contention(config.alone_window_s)
         self.tokens_per_request = 1024.0  # EWMA of released uncached prompt tokens
         self.prefill_tps = 0.0  # prefill tokens/s streamed answers showed (0: none yet)
         self.dispatch_rate = 1.0  # EWMA of releases per second while queues formed
@@ -114,7 +115,12 @@ class FlowController:
         if not replicas:
             return None
         return capacity(
-            replicas, self.reserved.get(model, {}), self.config.thresholds, self.tokens_per_request
+            replicas,
+            self.reserved.count(model),
+            self.config.thresholds,
+            self.tokens_per_request,
+            self.contention.alone(model, self.clock()),
+            self.reserved.tokens(model),
         )
 
     def saturated(self, model: str) -> bool:
@@ -129,7 +135,7 @@ class FlowController:
         return cap is not None and not cap.free
 
     def in_prefill(self, model: str) -> int:
-        return sum(self.reserved.get(model, {}).values())
+        return self.reserved.total(model)
 
     def expected_output(self, max_tokens: int | None, sequences: int = 1) -> int:
         """Output tokens a request may generate: ``max_tokens`` (or the default) per
@@ -185,11 +191,12 @@ class FlowController:
             ticket.controller = None  # rate limits only: nothing held, nothing charged
             return ticket
         self._tenants[req.tenant] = (s.band, s.weight)
+        self.contention.seen(req.model, req.tenant, now)
         q = self.queue(req.model)
         cap = self.capacity(req.model)
         if cap is None or (q.size == 0 and cap.idle and cap.free):
             # Nothing in prefill and nothing waiting: no lookup, no queue.
-            self._take(ticket, None)
+            self._take(ticket, None, round(self.tokens_per_request))
             self.metrics.released.labels(s.band, "no").inc()
             return ticket
         # Busy: what the request costs decides its place among its band's tenants, and
@@ -198,6 +205,7 @@ class FlowController:
         uncached, holders, place = await estimate()
         # A batch's other prompts are prefilled too (nobody routes on them: uncached).
         ticket.cost = uncached + req.batch_tokens + self.config.decode_token_cost * output
+        ticket.tokens = uncached + req.batch_tokens
         return await self._wait(req, ticket, cap, holders, place)
 
     async def _wait(
@@ -317,7 +325,7 @@ class FlowController:
             w = entry.item
             if w.future.done():  # cannot happen (removed entries leave the queue): stay safe
                 continue
-            self._take(w.ticket, fit.slot(entry) if fit is not None else None)
+            self._take(w.ticket, fit.slot(entry) if fit is not None else None, w.ticket.tokens)
             w.ticket.charged = True
             self._count_usage(model, w.ticket.tenant, entry.cost)
             now = self.clock()
@@ -331,28 +339,21 @@ class FlowController:
         self.metrics.saturated.set(1 if q.size else 0)
         self._gauge(q)
 
-    def _take(self, ticket: Ticket, replica: str | None) -> None:
-        slots = self.reserved.setdefault(ticket.model, {})
-        slots[replica] = slots.get(replica, 0) + 1
-        ticket.held, ticket.replica = True, replica
+    def _take(self, ticket: Ticket, replica: str | None, tokens: int) -> None:
+        self.reserved.take(ticket.model, replica, tokens)
+        ticket.held, ticket.replica, ticket.tokens = True, replica, tokens
         self.metrics.in_prefill.inc()
 
-    def slot_free(self, model: str, replica: str | None) -> None:
-        slots = self.reserved[model]
-        slots[replica] -= 1
-        if not slots[replica]:
-            del slots[replica]
+    def slot_free(self, model: str, replica: str | None, tokens: int) -> None:
+        self.reserved.give_back(model, replica, tokens)
         self.metrics.in_prefill.dec()
         self.pump(model)
 
     def slot_decided(self, ticket: Ticket, replica: str, uncached: int, output_tokens: int) -> None:
-        if ticket.held and ticket.replica != replica:  # the slot moves where it was placed
-            slots = self.reserved[ticket.model]
-            slots[ticket.replica] -= 1
-            if not slots[ticket.replica]:
-                del slots[ticket.replica]
-            slots[replica] = slots.get(replica, 0) + 1
-            ticket.replica = replica
+        if ticket.held:  # the slot moves where it was placed, with what it prefills there
+            tokens = max(1, uncached)
+            self.reserved.move(ticket.model, ticket.replica, replica, ticket.tokens, tokens)
+            ticket.replica, ticket.tokens = replica, tokens
         self.tokens_per_request += 0.05 * (max(1, uncached) - self.tokens_per_request)
         if ticket.charged:
             return

@@ -8,6 +8,14 @@ at or over ``waiting_max`` (someone else filled its queue), ``vllm:kv_cache_usag
 or over ``kv_usage_max`` (new work would preempt), or an observed time to first byte of
 mostly cached requests over ``ttft_max_s`` (0: not used). Other gateways' requests in prefill
 (fleet mode) take their share of the slots.
+
+While one tenant is alone on the model (``alone``), nobody waits to be treated fairly and the
+gate is as wide as vLLM's own step: a replica takes requests while what is in prefill there
+comes to less than ``step_tokens`` uncached prompt tokens (vLLM's ``max_num_batched_tokens``:
+the waiting requests one scheduler step admits together; v1/core/sched/scheduler.py, the
+waiting loop while ``token_budget > 0``), and at least one. A tenant alone is then served as
+fast as vLLM can take its requests, and ``ring_spill`` sees a holder's queue grow as it would
+without flow control.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class Thresholds:
     waiting_max: int = 4
     kv_usage_max: float = 0.95
     ttft_max_s: float = 0.0
+    step_tokens: int = 2048  # vLLM's max_num_batched_tokens (its default, under 70 GB / A100)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +55,7 @@ class Capacity:
     slots: float  # requests the usable replicas may have in prefill
     used: float  # in prefill now: this gateway's plus the others' estimate
     blocked: dict[str, str]  # replica -> why it takes nothing now
+    alone: bool = False  # one tenant only: the step-wide gate, and its prefix may spill
 
     @property
     def idle(self) -> bool:
@@ -63,9 +73,13 @@ class Capacity:
     def free_for(self, holders: Sequence[str]) -> bool:
         """Room for a request whose prefix ``holders`` hold: a free slot on one of them (the
         scheduler sends it there; a holder full by its own gauges makes it wait too), or
-        anywhere when it has no holder or none serves any more."""
+        anywhere when it has no holder or none serves any more. A tenant alone takes any
+        free slot: the scheduler keeps it on a holder or spills it, by its own rule, as it
+        would without flow control."""
         if not self.free:
             return False
+        if self.alone:
+            return True
         known = self.known(holders)
         return not known or any(self.free_by_replica.get(h, 0.0) > 0 for h in known)
 
@@ -143,11 +157,15 @@ def capacity(
     reserved: Mapping[str | None, int],
     t: Thresholds,
     tokens_per_request: float,
+    alone: bool = False,
+    reserved_tokens: Mapping[str | None, int] | None = None,
 ) -> Capacity:
     """The model's prefill slots and how many are taken. ``reserved``: this gateway's own
     requests released and not yet at their first byte, per replica (None: not placed yet);
     another gateway's queued prefill tokens count as ``ceil(tokens / tokens_per_request)``
-    requests."""
+    requests. ``alone``: one tenant only; a replica's room is then the share of
+    ``t.step_tokens`` that its requests in prefill (``reserved_tokens``, and the other
+    gateways') leave, one request at least."""
     blocked: dict[str, str] = {}
     free: dict[str, float] = {}
     slots = used = 0.0
@@ -158,10 +176,16 @@ def capacity(
         busy = reserved.get(r.url, 0) + remote
         used += busy
         why = blocked_reason(r, t)
-        if why is None:
+        if why is None and alone:
+            slots += 1
+            tokens = (reserved_tokens or {}).get(r.url, 0) + r.remote_prefill_tokens
+            free[r.url] = 1.0 if busy == 0 else 1.0 - tokens / max(1, t.step_tokens)
+        elif why is None:
             slots += t.prefill_per_replica
             free[r.url] = t.prefill_per_replica - busy
         else:
             blocked[r.url] = why
     unplaced = float(reserved.get(None, 0))
-    return Capacity(free, unplaced, slots, used + unplaced, blocked)
+    if alone and unplaced:  # counted as what they will prefill, as the placed ones are
+        unplaced = (reserved_tokens or {}).get(None, 0) / max(1, t.step_tokens)
+    return Capacity(free, unplaced, slots, used + unplaced, blocked, alone)

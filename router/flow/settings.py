@@ -67,6 +67,7 @@ class FlowConfig:
     history_tokens: float = 200_000.0  # how far past usage may hold a tenant back (per weight)
     burst_tokens: float = 4096.0  # credit an under-share tenant may spend ahead (fairqueue)
     tick_s: float = 0.05  # re-check the replicas' signals this often while requests wait
+    alone_window_s: float = 10.0  # a second tenant's request makes the gate fair this long
 
     @classmethod
     def from_config(cls, config: Any) -> FlowConfig:
@@ -77,6 +78,7 @@ class FlowConfig:
                 waiting_max=config.flow_waiting_max,
                 kv_usage_max=config.flow_kv_usage_max,
                 ttft_max_s=config.flow_ttft_max_s,
+                step_tokens=config.flow_step_tokens,
             ),
             max_queue_per_tenant=config.flow_max_queue_per_tenant,
             max_queue=config.flow_max_queue,

@@ -25,7 +25,7 @@ class Slots(Protocol):
         self, ticket: Ticket, replica: str, uncached: int, output_tokens: int
     ) -> None: ...
 
-    def slot_free(self, model: str, replica: str | None) -> None: ...
+    def slot_free(self, model: str, replica: str | None, tokens: int) -> None: ...
 
     def learn_prefill(self, tps: float) -> None: ...
 
@@ -47,6 +47,7 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers
     held: bool = False
     replica: str | None = None  # where its slot is reserved (None: not placed yet)
+    tokens: int = 0  # the uncached prompt tokens it prefills there (estimated until placed)
     charged: bool = False  # its cost is already in the fair queue's accounting
     _timer: asyncio.TimerHandle | None = None
 
@@ -74,7 +75,7 @@ class Ticket:
     def first_byte(self) -> None:
         if self.held and self.controller is not None:
             self.held = False
-            self.controller.slot_free(self.model, self.replica)
+            self.controller.slot_free(self.model, self.replica, self.tokens)
 
     def done(self) -> None:
         if self._timer is not None:
