@@ -499,3 +499,35 @@ async def test_a_tenant_alone_is_released_as_far_as_one_vllm_step_then_fairly(
         return setup.gw.gateway.flow.in_prefill(MODEL) == 0 and setup.queued == 0
 
     await wait_for(nothing_held, what="every slot and queue place given back")
+
+
+async def test_a_tenant_alone_past_its_queue_timeout_goes_to_the_replica_not_a_429(
+    setup: Setup,
+) -> None:
+    """Alone, a tenant whose requests fill a replica's step waits in the gateway; past its
+    queue timeout it is sent to vLLM's own queue (which would have kept it waiting), not
+    refused: a 429 protects nobody when nobody else is waiting."""
+    setup.replica.hang_next(2)
+    long_prompt = " ".join(f"word{i}" for i in range(3000))  # over the step's 2048 tokens
+    first = asyncio.create_task(
+        post(
+            setup.http,
+            setup.gw.url + "/v1/chat/completions",
+            chat_body(long_prompt, max_tokens=8),
+            {"X-Tenant": "impatient"},
+        )
+    )
+
+    async def at_replica(n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return setup.replica.hanging == n
+
+        return check
+
+    await wait_for(await at_replica(1), what="the long prompt at the replica")
+    second = await setup.enqueue("i1", "impatient", 1)  # waits: the replica's step is full
+    await wait_for(await at_replica(2), what="the timed-out request sent on, not refused")
+    assert not second.done()
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)

@@ -345,6 +345,11 @@ class Auth:
         "(default: loopback; empty: off)",
     )
 
+    @property
+    def tenanted(self) -> bool:
+        """Requests carry a tenant: API keys, or a header that names it."""
+        return self.enabled or self.tenant_header is not None
+
 
 @dataclass
 class Registry:
@@ -382,11 +387,12 @@ class Registry:
 class Flow:
     """Flow control: fair queuing per tenant while replicas are saturated (router/flow/)."""
 
-    enabled: bool = _opt(
-        False,
+    enabled: bool | None = _opt(
+        None,
         "while a model's replicas are saturated, queue requests in the gateway and release "
         "them in weighted fair order per tenant (weights, bands, rate limits in the tenancy "
-        "table; docs/flow-control.md)",
+        "table; docs/flow-control.md). Default: on when requests carry a tenant (auth on or "
+        "a tenant_header), off otherwise (all traffic is one tenant)",
         flat="flow_control",
     )
     flow_prefill_per_replica: float = _opt(

@@ -266,6 +266,12 @@ class FlowController:
         if not waiter.future.done():
             if q.remove(entry):
                 self._gauge(q)
+            if self.contention.alone(req.model, self.clock()):
+                # Nobody else waits to be served fairly: vLLM would have kept it waiting in
+                # its own queue as long as its client waits, so it goes there, not a 429.
+                self._take(ticket, None, ticket.tokens)
+                self.metrics.released.labels(s.band, "yes").inc()
+                return ticket
             self._shed_count(req.tenant, "queue_timeout")
             raise shed_error(
                 f"the request waited {timeout:g} s in the gateway's queue (the fleet is "

@@ -70,9 +70,11 @@ class FlowConfig:
     alone_window_s: float = 10.0  # a second tenant's request makes the gate fair this long
 
     @classmethod
-    def from_config(cls, config: Any) -> FlowConfig:
+    def from_config(cls, config: Any, tenants: bool) -> FlowConfig:
+        """``tenants``: requests carry a tenant (auth or a tenant header), which turns flow
+        control on unless the config says otherwise."""
         return cls(
-            enabled=config.enabled,
+            enabled=tenants if config.enabled is None else config.enabled,
             thresholds=Thresholds(
                 prefill_per_replica=config.flow_prefill_per_replica,
                 waiting_max=config.flow_waiting_max,

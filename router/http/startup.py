@@ -51,6 +51,7 @@ def summary(gw: Gateway, url: str) -> list[str]:
         f"  fleet mode  {_fleet_mode(gw)}",
         f"  KV events   {_kv_events(gw)}",
         f"  auth        {_auth(gw)}",
+        f"  flow        {_flow(gw)}",
     ]
     if config.server.metrics_port:
         lines.append(
@@ -76,6 +77,20 @@ def _kv_events(gw: Gateway) -> str:
     streams = gw.kv_events.streams
     up = sum(1 for s in streams.values() if s.connected)
     return f"on, {len(streams)} streams ({up} connected), topic {gw.config.kv_events.kv_events_topic!r}"
+
+
+def _flow(gw: Gateway) -> str:
+    config = gw.config
+    chosen = "set" if config.flow.enabled is not None else "default"
+    if not gw.path.flow.config.enabled:
+        why = "" if chosen == "set" else ": one tenant (no auth, no tenant header)"
+        return f"off ({chosen}{why})"
+    t = gw.path.flow.config.thresholds
+    return (
+        f"on ({chosen}): fair queuing per tenant while replicas are full, "
+        f"{t.prefill_per_replica:g} request in prefill per replica while tenants contend, "
+        f"up to {t.step_tokens} tokens for a tenant alone"
+    )
 
 
 def _auth(gw: Gateway) -> str:

@@ -121,7 +121,9 @@ class RequestPath(Preparation):
         self.learner = Learner(config, metrics, wiring, self.upkeep, self.observers, spawn)
         # Flow control (router/flow/): fair queuing per tenant while the replicas are full.
         self.flow = FlowController(
-            FlowConfig.from_config(config.flow), self._flow_replicas, metrics.registry
+            FlowConfig.from_config(config.flow, tenants=config.auth.tenanted),
+            self._flow_replicas,
+            metrics.registry,
         )
         self.response_chains = ResponseChains()  # Responses chains as one session each
 
