@@ -436,6 +436,44 @@ async def test_two_gateways_on_one_redis_share_a_tenants_usage(
     assert setup.served() == ["b-new", "a-late"]
 
 
+async def test_a_tenant_alone_here_but_not_on_another_gateway_is_served_fairly(
+    fleet, gateway, redis_server
+) -> None:
+    """b is the only tenant the second gateway sees, but a works through the first: the
+    tenants contend fleet-wide, so the second gateway's gate is the fair one (b's second
+    request waits while its first holds the replica's slot), not a tenant alone's."""
+    (replica,) = await fleet(1)
+    common: dict[str, Any] = dict(
+        flow_control=True,
+        tenant_header="X-Tenant",
+        redis_url=redis_server.url,
+        sync_interval_s=0.05,
+    )
+    g1 = await gateway([replica.url], **common)
+    g2 = await gateway([replica.url], **common)
+    async with aiohttp.ClientSession() as http:
+        status, _, _ = await post(http, g1.url + "/v1/chat/completions", body(0), {"X-Tenant": "a"})
+        assert status == 200
+
+        async def shared() -> bool:
+            return await remote_usage(http, g2.url, "a") > 0
+
+        await wait_for(shared, what="the second gateway to see a's usage")
+        setup = Setup(replica, g2, http)
+        replica.hang_next(1)
+        first = asyncio.create_task(setup.send("b0", "b", 0))
+
+        async def hanging() -> bool:
+            return replica.hanging == 1
+
+        await wait_for(hanging, what="b's first request at the replica")
+        second = await setup.enqueue("b1", "b", 1)
+        assert setup.queued == 1 and not second.done()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert (await second)[0] == 200
+
+
 async def remote_usage(http: aiohttp.ClientSession, url: str, tenant: str) -> float:
     async with http.get(url + "/metrics") as resp:
         text = await resp.text()

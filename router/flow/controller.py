@@ -384,6 +384,7 @@ class FlowController:
         """Work another gateway did for ``tenant`` (fleet mode): it counts here too."""
         band, weight = self._tenants.get(tenant, ("standard", 1.0))
         self.queue(model).charge(band, tenant, cost, weight, dispatched=False)
+        self.contention.seen(model, tenant, self.clock())  # tenants contend fleet-wide
         self.metrics.remote_usage.labels(tenant).inc(cost)
 
     # -- views ------------------------------------------------------------------------------
