@@ -287,7 +287,9 @@ def render_summary(
     for r in results:
         out.append(
             f"- `{r.label}`: {r.target}; workload `{r.workload}`; "
-            f"{r.duration_s:.1f} s from {r.started_at}; sent {r.sent}: {r.stop_description()}."
+            f"{r.duration_s:.1f} s from {r.started_at}; sent {r.sent}: {r.stop_description()}; "
+            f"the load generator's process used {r.client_cpu_s:.1f} s of CPU "
+            f"({r.client_cpu_s / r.duration_s if r.duration_s > 0 else 0:.0%} of a core)."
         )
     out.extend(f"- {n}" for n in notes)
     warns = dict.fromkeys(w for r in results for w in r.warnings)

@@ -313,6 +313,9 @@ class RunResult:
     planned_requests: int = 0
     # A gateway target's own counters over the run: "decisions:<reason>", "spills:<cause>".
     gateway_counters: dict[str, float] = field(default_factory=dict)
+    # CPU time of this process while it sent: the load generator's, and that of any simulated
+    # replicas it runs in-process (``loadtest run --simulate``)
+    client_cpu_s: float = 0.0
 
     # ---- derived figures
     def stop_description(self) -> str:
@@ -449,6 +452,7 @@ class RunResult:
             "seed": self.seed,
             "started_at": self.started_at,
             "duration_s": round(self.duration_s, 3),
+            "client_cpu_s": round(self.client_cpu_s, 3),
             "sent": self.sent,
             "responded": self.responded,
             "ok": self.ok,
@@ -684,6 +688,7 @@ async def run_workload(
         before = await ms.scrape_all(metrics_urls, http) if metrics_urls else []
         gw_before = await ms.gateway_counters(http, gateway_url) if gateway_url else None
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         state = _State(t0, t0 + max_seconds, max_requests)
         sem = asyncio.Semaphore(concurrency)
         bar = tqdm(
@@ -775,6 +780,9 @@ async def run_workload(
                 rec.error = "cancelled: still running at the hard stop"
                 rec.answer = None
         duration = time.perf_counter() - t0
+        client_cpu = time.process_time() - cpu0
+        if (warning := client_cpu_warning(client_cpu, duration)) is not None:
+            warnings.append(warning)
         if settle_s > 0 and metrics_urls:
             await asyncio.sleep(settle_s)
         after = await ms.scrape_all(metrics_urls, http) if metrics_urls else []
@@ -820,10 +828,28 @@ async def run_workload(
             if gw_before is not None and gw_after is not None
             else {}
         ),
+        client_cpu_s=client_cpu,
     )
     if compute_ideal:
         await asyncio.to_thread(attach_ideal, result, renderer)
     return result
+
+
+# One asyncio process sends from one core: past this share of it, its own delays (a request
+# sent late, a first byte read late) are in the figures, not only the fleet's.
+CLIENT_CPU_WARN = 0.7
+
+
+def client_cpu_warning(cpu_s: float, duration_s: float) -> str | None:
+    """The warning when the load generator was busy enough to be the bottleneck."""
+    if duration_s <= 0 or cpu_s / duration_s < CLIENT_CPU_WARN:
+        return None
+    return (
+        f"the load generator's process used {cpu_s / duration_s:.0%} of a core while sending "
+        f"({cpu_s:.1f} s of CPU in {duration_s:.1f} s; simulated replicas started in-process "
+        "count too): it may be the bottleneck, and its own delays are in the latencies; send "
+        "fewer sessions, start the replicas as processes, or run it on another host"
+    )
 
 
 def attach_ideal(result: RunResult, renderer: Any | None = None) -> None:

@@ -17,7 +17,13 @@ from loadtest.cli import main as cli_main
 from loadtest.metrics_scrape import scrape_all
 from loadtest.replica import SimConfig, run_replicas
 from loadtest.report import failure_line, write_report
-from loadtest.runner import REPLICA_HEADER, ClientTarget, GatewayTarget, run_workload
+from loadtest.runner import (
+    REPLICA_HEADER,
+    ClientTarget,
+    GatewayTarget,
+    client_cpu_warning,
+    run_workload,
+)
 from router import __version__
 from tests.helpers import serve
 
@@ -90,6 +96,15 @@ async def test_round_robin_run_writes_a_report_from_the_replicas_counters(tmp_pa
     assert f"every one of its {workload.planned_requests} requests was sent" in summary
     # Replica sets: every group's requests by replica (round robin spreads each group).
     assert "Replica sets: 2 prefix groups" in summary
+    # the load generator's own CPU share (with the in-process replicas) is reported
+    assert res.client_cpu_s > 0 and f"{res.client_cpu_s:.1f} s of CPU" in summary
+    assert json.loads((out / "summary.json").read_text())["runs"][0]["client_cpu_s"] > 0
+
+
+def test_a_busy_load_generator_is_warned_about() -> None:
+    assert client_cpu_warning(2.0, 10.0) is None
+    warning = client_cpu_warning(8.0, 10.0)
+    assert warning is not None and "80% of a core" in warning and "bottleneck" in warning
 
 
 async def test_preamble_position_orders_the_fleet_hit_rate():
