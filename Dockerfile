@@ -39,8 +39,11 @@ COPY loadtest ./loadtest
 # A regular (non-editable) install: the venv is self-contained and /src is left behind.
 # With fastokens (the [fast-tokenizer] extra, pinned): exact, self-checked at start-up, and
 # ~50x faster BPE for new text.
+# With the [ext-proc] extra's packages (pinned): the same image serves as the endpoint picker
+# of an inference gateway (`serve --ext-proc-port 9002`, docs/endpoint-picker.md).
 # Byte-compile everything now: the runtime root filesystem may be read-only.
 RUN pip install --no-cache-dir . fastokens==0.3.5 \
+        grpcio==1.85.4 grpcio-health-checking==1.85.1 xds-protos==1.85.0 \
     && python -m compileall -q /opt/venv/lib
 
 # ---------------------------------------------------------------------------- runtime
@@ -75,6 +78,7 @@ COPY deploy/docker/healthcheck.py /opt/prefix-router/healthcheck.py
 USER 10001:10001
 WORKDIR /tmp
 
+# In endpoint picker mode the ext_proc port (--ext-proc-port, 9002 in deploy/kubernetes/) too.
 EXPOSE 8080
 STOPSIGNAL SIGTERM
 

@@ -1,0 +1,312 @@
+"""Endpoint picker mode over real sockets: a gateway's ext_proc port, an in-process Envoy
+stand-in (tests/envoy_standin.py) that plays Envoy's side of the stream and relays each
+request to the simulated replica the picker names, and, beside it, the same workload through
+a proxy-mode gateway on a fleet of its own. The picker must place every request where proxy
+mode does, predict the replica's cached tokens as exactly, and keep the same books."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.ext_proc import protocol
+from router.ext_proc.server import start_ext_proc
+from router.upstream.proxy import usage_of
+from tests.envoy_standin import EnvoyStandIn
+from tests.helpers import LONG_SYSTEM, chat_body, post, replica_stats, wait_for
+from tests.test_tenancy import WRONG_KEY, bearer, keys_file
+
+CHAT = "/v1/chat/completions"
+REPLICA_HDR = "x-prefix-router-replica"
+BLOCKS_HDR = "x-prefix-router-cached-blocks"
+BLOCK = 16  # the simulated replicas' block size
+MODES = {"full duplex": protocol.FULL_DUPLEX, "buffered": protocol.BUFFERED}
+
+
+@pytest.fixture
+async def picker() -> AsyncIterator[Callable[..., Awaitable[EnvoyStandIn]]]:
+    """``await picker(running_gateway)``: its ext_proc port and an Envoy stand-in on it."""
+    started: list[Any] = []
+
+    async def start(running: Any, mode: int = protocol.FULL_DUPLEX) -> EnvoyStandIn:
+        server = await start_ext_proc(running.gateway, "127.0.0.1", 0)
+        envoy = EnvoyStandIn(f"127.0.0.1:{server.port}", mode)
+        envoy.port = server.port  # type: ignore[attr-defined]
+        started.append((server, envoy))
+        return envoy
+
+    yield start
+    for server, envoy in started:
+        await envoy.close()
+        await server.stop()
+
+
+def workload(n_tenants: int, users: int, turns: int) -> list[dict[str, Any]]:
+    """Tenants with their own long system prompts, users with their own questions, each
+    conversation growing turn by turn: prefixes shared within a tenant and a conversation."""
+    bodies = []
+    for turn in range(turns):
+        for t in range(n_tenants):
+            system = f"Tenant {t} assistant. " + LONG_SYSTEM
+            for u in range(users):
+                messages = [{"role": "system", "content": system}]
+                for k in range(turn + 1):
+                    messages.append({"role": "user", "content": f"user {u} question {k} " * 8})
+                    if k < turn:
+                        messages.append({"role": "assistant", "content": f"answer {k} to {u}"})
+                bodies.append({"model": "Qwen/Qwen3-0.6B", "max_tokens": 4, "messages": messages})
+    return bodies
+
+
+def cached(body: bytes) -> int:
+    return usage_of(body)[0] or 0
+
+
+async def counters(session: aiohttp.ClientSession, replicas: list[Any]) -> tuple[float, float]:
+    """The fleet's prefix-cache (queries, hits), read from the replicas' own metrics."""
+    stats = [await replica_stats(session, r.url) for r in replicas]
+    return sum(s.prefix_queries for s in stats), sum(s.prefix_hits for s in stats)
+
+
+class Fleet:
+    """One fleet of simulated replicas, run once through a proxy-mode gateway and once,
+    its caches emptied, through a picker: the same replicas, so the same ring."""
+
+    def __init__(self, replicas: list[Any], session: aiohttp.ClientSession) -> None:
+        self.replicas, self.session = replicas, session
+        self.urls = [r.url for r in replicas]
+        self.base = (0.0, 0.0)
+
+    async def begin(self) -> None:
+        for r in self.replicas:
+            r.reset_cache()
+        self.base = await counters(self.session, self.replicas)
+
+    async def hit_rate(self) -> float:
+        queries, hits = await counters(self.session, self.replicas)
+        return (hits - self.base[1]) / (queries - self.base[0])
+
+
+async def test_sequential_picks_and_predictions_match_proxy_mode(fleet, gateway, picker):
+    replicas = await fleet(3)
+    bodies = workload(3, 2, 3)
+    async with aiohttp.ClientSession() as s:
+        f = Fleet(replicas, s)
+        await f.begin()
+        proxy = await gateway(f.urls)
+        proxied = []
+        for body in bodies:
+            status, headers, answer = await post(s, proxy.url + CHAT, body)
+            assert status == 200
+            reused = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert reused == int(headers[BLOCKS_HDR]) * BLOCK  # the prediction exact
+            proxied.append((headers[REPLICA_HDR], reused))
+        await proxy.stop()
+        proxy_rate = await f.hit_rate()
+
+        await f.begin()
+        envoy = await picker(await gateway(f.urls))
+        for n, body in enumerate(bodies):
+            mode = (protocol.FULL_DUPLEX, protocol.BUFFERED)[n % 2]
+            got = await envoy.post(CHAT, body, mode=mode)
+            assert got.status == 200, got.body
+            assert got.pick.split(",")[0] == got.served == got.metadata_pick.split(",")[0]
+            assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK  # exact here too
+            # The same replica as proxy mode, and so the same cached tokens, every request.
+            assert ("http://" + got.served, cached(got.body)) == proxied[n], n
+        assert await f.hit_rate() == proxy_rate > 0.5
+
+
+async def test_concurrent_hit_rate_within_two_points_of_proxy_mode(fleet, gateway, picker):
+    replicas = await fleet(3)
+    bodies = workload(4, 3, 3)
+    gate = asyncio.Semaphore(6)
+
+    async def through_proxy(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+        async with gate:
+            status, headers, answer = await post(s, url + CHAT, body)
+        assert status == 200
+        assert cached(json.dumps(answer).encode()) == int(headers[BLOCKS_HDR]) * BLOCK
+
+    async def through_picker(envoy: EnvoyStandIn, body: dict[str, Any]) -> None:
+        async with gate:
+            got = await envoy.post(CHAT, body)
+        assert got.status == 200
+        assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK
+
+    async with aiohttp.ClientSession() as s:
+        f = Fleet(replicas, s)
+        await f.begin()
+        proxy = await gateway(f.urls)
+        for turn in range(3):  # a conversation's next turn once its last one is answered
+            chunk = bodies[turn * 12 : (turn + 1) * 12]
+            await asyncio.gather(*(through_proxy(s, proxy.url, b) for b in chunk))
+        await proxy.stop()
+        proxy_rate = await f.hit_rate()
+        await f.begin()
+        envoy = await picker(await gateway(f.urls))
+        for turn in range(3):
+            chunk = bodies[turn * 12 : (turn + 1) * 12]
+            await asyncio.gather(*(through_picker(envoy, b) for b in chunk))
+        picker_rate = await f.hit_rate()
+    assert proxy_rate > 0.5 and abs(proxy_rate - picker_rate) <= 0.02, (proxy_rate, picker_rate)
+
+
+@pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
+async def test_a_stream_is_passed_back_chunk_by_chunk_and_learnt_from(fleet, gateway, picker, mode):
+    (replica,) = await fleet(1)
+    running = await gateway([replica.url])
+    envoy = await picker(running, mode)
+    body = chat_body(
+        "stream this", stream=True, max_tokens=12, stream_options={"include_usage": True}
+    )
+    first = await envoy.post(CHAT, body)
+    again = await envoy.post(CHAT, body)
+    for got in (first, again):
+        assert got.status == 200 and got.headers["content-type"].startswith("text/event-stream")
+        events = [e for e in got.body.split(b"\n\n") if e.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]" and len(events) >= 12
+        if mode == protocol.FULL_DUPLEX:
+            assert got.chunks > 1  # passed back as they came, not held to the end
+        assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK
+    assert cached(again.body) > 0
+    gw = running.gateway
+    assert gw.fleet is not None
+    assert all(r.inflight == 0 and r.pending_requests == 0 for r in gw.fleet.replicas.values())
+    page = gw.metrics.exposition().decode()
+    assert "prefix_router_reported_cached_tokens_total" in page
+
+
+@pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
+async def test_tenants_salts_and_a_changed_body_as_in_proxy_mode(
+    tmp_path, fleet, gateway, picker, mode
+):
+    (replica,) = await fleet(1)
+    keys = keys_file(tmp_path / "keys.yaml")
+    running = await gateway(
+        [replica.url], auth=True, api_keys_file=str(keys), decision_headers=True
+    )
+    envoy = await picker(running, mode)
+    body = chat_body("a tenant's question")
+    raw = json.dumps(body).encode()
+    salts = []
+    for tenant in ("acme", "globex", "acme"):
+        got = await envoy.post(CHAT, raw, headers=bearer(tenant))
+        assert got.status == 200, got.body
+        # The salt the gateway hashed with, added to the body: re-sent in full, changed.
+        sent = json.loads(got.sent_body)
+        assert sent == {**body, "cache_salt": sent["cache_salt"]}
+        assert replica.stats["records"][-1]["cache_salt"] == sent["cache_salt"]
+        if mode == protocol.BUFFERED:
+            assert int(got.sent_headers["content-length"]) == len(got.sent_body)
+        # The tenant's key is the gateway's business, never the replica's (as proxied).
+        assert "authorization" not in got.sent_headers
+        assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK
+        salts.append(sent["cache_salt"])
+    assert salts[0] == salts[2] != salts[1]
+    assert cached(got.body) > 0  # acme's second request reused acme's blocks, not globex's
+    # Proxy mode on the same gateway sends the same salt for the same tenant.
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await post(s, running.url + CHAT, body, bearer("acme"))
+    assert status == 200 and replica.stats["records"][-1]["cache_salt"] == salts[0]
+
+    # A wrong key: Envoy answers 401 itself, in OpenAI's shape; nothing reached the replica.
+    seen = len(replica.stats["records"])
+    got = await envoy.post(CHAT, raw, headers={"Authorization": f"Bearer {WRONG_KEY}"})
+    assert got.immediate and got.status == 401
+    assert got.json()["error"]["type"] == "AuthenticationError"
+    assert got.headers["www-authenticate"] == "Bearer"
+    assert len(replica.stats["records"]) == seen
+
+
+async def test_refusals_are_immediate_responses_in_each_apis_shape(fleet, gateway, picker):
+    from tests.test_flow import TENANTS
+    from tests.test_flow import body as flow_body
+
+    (replica,) = await fleet(1)
+    running = await gateway(
+        [replica.url], flow_control=True, tenant_header="X-Tenant", tenants=TENANTS
+    )
+    envoy = await picker(running)
+    gw = running.gateway
+
+    def queued() -> int:
+        return sum(q.size for q in gw.flow.queues.values())
+
+    # The fleet's one prefill slot held by a request the replica never answers.
+    replica.hang_next(1)
+    held = asyncio.create_task(envoy.post(CHAT, flow_body(0), headers={"X-Tenant": "holder"}))
+    await wait_for(lambda: _true(replica.hanging == 1), what="the held request at the replica")
+    waiting = asyncio.create_task(envoy.post(CHAT, flow_body(1), headers={"X-Tenant": "small"}))
+    await wait_for(lambda: _true(queued() == 1), what="a request queued in flow control")
+
+    # Over its tenant's queue: 429 at once, as proxy mode answers it.
+    got = await envoy.post(CHAT, flow_body(2), headers={"X-Tenant": "small"})
+    assert got.immediate and got.status == 429 and int(got.headers["retry-after"]) >= 1
+    assert got.json()["error"]["code"] == "queue_full"
+    # Messages: shed after its deadline, in Anthropic's shape.
+    messages = {
+        "model": "Qwen/Qwen3-0.6B",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    got = await envoy.post("/v1/messages", messages, headers={"X-Tenant": "impatient"})
+    assert got.immediate and got.status == 429
+    assert got.json() == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": got.json()["error"]["message"]},
+    }
+
+    held.cancel()  # its client leaves: Envoy resets the stream, the slot is freed
+    await asyncio.gather(held, return_exceptions=True)
+    assert (await waiting).status == 200
+    assert gw.fleet is not None
+    await wait_for(
+        lambda: _true(all(r.inflight == 0 for r in gw.fleet.replicas.values())), what="released"
+    )
+    page = gw.metrics.exposition().decode()
+    assert "prefix_router_client_disconnects_total 1.0" in page
+
+    # No endpoint the subset allows: 503; no healthy replica at all: 503.
+    got = await envoy.post(CHAT, flow_body(3), headers={"X-Tenant": "b"}, subset=["10.9.9.9:8000"])
+    assert got.immediate and got.status == 503 and got.json()["error"]["code"] == "no_replica"
+    await replica.stop()
+    await wait_for(
+        lambda: _true(not any(r.healthy for r in gw.fleet.replicas.values())), what="down"
+    )
+    got = await envoy.post(CHAT, flow_body(4), headers={"X-Tenant": "b"})
+    assert got.immediate and got.status == 503 and got.json()["error"]["code"] == "no_replica"
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_health_liveness_readiness_and_the_ext_proc_service(fleet, gateway, picker):
+    import grpc
+
+    (replica,) = await fleet(1)
+    running = await gateway([replica.url])
+    envoy = await picker(running)
+    health = health_pb2_grpc.HealthStub(envoy.channel)
+
+    async def status(service: str) -> int:
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        return answer.status
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for service in ("", "liveness", "readiness", protocol.SERVICE_NAME):
+        assert await status(service) == serving, service
+    running.gateway.draining = True  # not ready (router/readiness.py), still alive
+    assert await status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await status(protocol.SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await status("liveness") == serving
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await status("something.else")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
