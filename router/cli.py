@@ -59,9 +59,16 @@ def _serve(args: argparse.Namespace) -> int:
         load_table(config)  # --auth's missing settings now, all at once, before starting
     except ConfigError as e:
         raise UsageError(e.problems) from None
+    if config.server.ext_proc_port is not None:
+        from router.ext_proc import missing
+
+        if (needed := missing()) is not None:  # gRPC and Envoy's protos are an extra
+            raise UsageError(needed)
     check_can_listen(config.server.host, config.server.port, reuse_port=config.server.workers > 1)
     if config.server.metrics_port:
         check_can_listen(config.server.host, config.server.metrics_port, flag="--metrics-port")
+    if config.server.ext_proc_port:
+        check_can_listen(config.server.host, config.server.ext_proc_port, flag="--ext-proc-port")
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -115,11 +115,14 @@ def test_wrong_input_is_one_line(
         assert word in lines[0], (word, lines[0])
 
 
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
+def run(*argv: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``prefix-router argv`` in a subprocess (``code``: a script to run instead of the
+    module, with ``argv`` as its arguments)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PREFIX_ROUTER_DEBUG", None)
+    entry = ["-c", code] if code is not None else ["-m", "router.cli"]
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", *argv],
+        [sys.executable, *entry, *argv],
         capture_output=True,
         text=True,
         env=env,

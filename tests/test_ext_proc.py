@@ -16,7 +16,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.ext_proc import protocol
-from router.ext_proc.server import start_ext_proc
 from router.upstream.proxy import usage_of
 from tests.envoy_standin import EnvoyStandIn
 from tests.helpers import LONG_SYSTEM, chat_body, post, replica_stats, wait_for
@@ -31,20 +30,19 @@ MODES = {"full duplex": protocol.FULL_DUPLEX, "buffered": protocol.BUFFERED}
 
 @pytest.fixture
 async def picker() -> AsyncIterator[Callable[..., Awaitable[EnvoyStandIn]]]:
-    """``await picker(running_gateway)``: its ext_proc port and an Envoy stand-in on it."""
-    started: list[Any] = []
+    """``await picker(running_gateway)``: an Envoy stand-in on the gateway's ext_proc port
+    (a gateway started with ``ext_proc_port=0``)."""
+    started: list[EnvoyStandIn] = []
 
     async def start(running: Any, mode: int = protocol.FULL_DUPLEX) -> EnvoyStandIn:
-        server = await start_ext_proc(running.gateway, "127.0.0.1", 0)
-        envoy = EnvoyStandIn(f"127.0.0.1:{server.port}", mode)
-        envoy.port = server.port  # type: ignore[attr-defined]
-        started.append((server, envoy))
+        assert running.ext_proc_port, "start the gateway with ext_proc_port=0"
+        envoy = EnvoyStandIn(f"127.0.0.1:{running.ext_proc_port}", mode)
+        started.append(envoy)
         return envoy
 
     yield start
-    for server, envoy in started:
+    for envoy in started:
         await envoy.close()
-        await server.stop()
 
 
 def workload(n_tenants: int, users: int, turns: int) -> list[dict[str, Any]]:
@@ -111,7 +109,7 @@ async def test_sequential_picks_and_predictions_match_proxy_mode(fleet, gateway,
         proxy_rate = await f.hit_rate()
 
         await f.begin()
-        envoy = await picker(await gateway(f.urls))
+        envoy = await picker(await gateway(f.urls, ext_proc_port=0))
         for n, body in enumerate(bodies):
             mode = (protocol.FULL_DUPLEX, protocol.BUFFERED)[n % 2]
             got = await envoy.post(CHAT, body, mode=mode)
@@ -150,7 +148,7 @@ async def test_concurrent_hit_rate_within_two_points_of_proxy_mode(fleet, gatewa
         await proxy.stop()
         proxy_rate = await f.hit_rate()
         await f.begin()
-        envoy = await picker(await gateway(f.urls))
+        envoy = await picker(await gateway(f.urls, ext_proc_port=0))
         for turn in range(3):
             chunk = bodies[turn * 12 : (turn + 1) * 12]
             await asyncio.gather(*(through_picker(envoy, b) for b in chunk))
@@ -161,7 +159,7 @@ async def test_concurrent_hit_rate_within_two_points_of_proxy_mode(fleet, gatewa
 @pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
 async def test_a_stream_is_passed_back_chunk_by_chunk_and_learnt_from(fleet, gateway, picker, mode):
     (replica,) = await fleet(1)
-    running = await gateway([replica.url])
+    running = await gateway([replica.url], ext_proc_port=0)
     envoy = await picker(running, mode)
     body = chat_body(
         "stream this", stream=True, max_tokens=12, stream_options={"include_usage": True}
@@ -190,7 +188,7 @@ async def test_tenants_salts_and_a_changed_body_as_in_proxy_mode(
     (replica,) = await fleet(1)
     keys = keys_file(tmp_path / "keys.yaml")
     running = await gateway(
-        [replica.url], auth=True, api_keys_file=str(keys), decision_headers=True
+        [replica.url], auth=True, api_keys_file=str(keys), decision_headers=True, ext_proc_port=0
     )
     envoy = await picker(running, mode)
     body = chat_body("a tenant's question")
@@ -231,7 +229,7 @@ async def test_refusals_are_immediate_responses_in_each_apis_shape(fleet, gatewa
 
     (replica,) = await fleet(1)
     running = await gateway(
-        [replica.url], flow_control=True, tenant_header="X-Tenant", tenants=TENANTS
+        [replica.url], flow_control=True, tenant_header="X-Tenant", tenants=TENANTS, ext_proc_port=0
     )
     envoy = await picker(running)
     gw = running.gateway
@@ -292,7 +290,7 @@ async def test_health_liveness_readiness_and_the_ext_proc_service(fleet, gateway
     import grpc
 
     (replica,) = await fleet(1)
-    running = await gateway([replica.url])
+    running = await gateway([replica.url], ext_proc_port=0)
     envoy = await picker(running)
     health = health_pb2_grpc.HealthStub(envoy.channel)
 
@@ -310,3 +308,132 @@ async def test_health_liveness_readiness_and_the_ext_proc_service(fleet, gateway
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await status("something.else")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_refused_primary_is_booked_where_envoy_went_instead(fleet, gateway, picker):
+    replicas = await fleet(3)
+    urls = [r.url for r in replicas]
+    # Health checks far apart: the gateway still thinks the stopped replica is up.
+    running = await gateway(urls, health_interval_s=60, ext_proc_port=0)
+    envoy = await picker(running)
+    gw = running.gateway
+
+    body = chat_body("a prefix its replica will not be there for")
+    rr = await gw.path.prepare(json.dumps(body).encode(), {}, "chat", "probe", None)
+    home = (await gw.path.decide(rr)).replica
+    others = [u for u in urls if u != home]  # Envoy's fallbacks: the least loaded first
+    first = await envoy.post(CHAT, body)
+    assert "http://" + first.served == home
+    held = replicas[urls.index(home)]
+    await held.stop()  # its port now refuses connections
+
+    got = await envoy.post(CHAT, body)
+    assert got.status == 200, got.body
+    assert got.pick.split(",") == [u.removeprefix("http://") for u in [home, *others]]
+    assert "http://" + got.served == others[0]  # the first fallback, where Envoy went
+    # Booked on the replica that served: its prediction (nothing cached there) exact, the
+    # refused one's failure recorded as a connect failure, nothing left in flight, and no
+    # failure blamed on the replica the scheduler would have chosen instead.
+    assert got.headers[REPLICA_HDR] == others[0]
+    assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK == 0
+    page = gw.metrics.exposition().decode()
+    retries = [line for line in page.splitlines() if line.startswith("prefix_router_retries_total")]
+    assert retries == [f'prefix_router_retries_total{{replica="{home}",why="connect"}} 1.0']
+    assert gw.fleet is not None
+    assert all(r.inflight == 0 and r.pending_requests == 0 for r in gw.fleet.replicas.values())
+    rr = await gw.path.prepare(json.dumps(body).encode(), {}, "chat", "probe", None)
+    held_by = await gw.index.match(rr.block_hashes, urls)
+    assert held_by[others[0]] == len(rr.block_hashes)  # the blocks recorded where they went
+    again = await envoy.post(
+        CHAT, body, mode=protocol.BUFFERED, subset=[e.removeprefix("http://") for e in others]
+    )
+    assert again.served == got.served and cached(again.body) > 0
+
+
+async def test_subset_hints_restrict_the_pick(fleet, gateway, picker):
+    replicas = await fleet(3)
+    running = await gateway([r.url for r in replicas], ext_proc_port=0)
+    envoy = await picker(running)
+    at = [r.url.removeprefix("http://") for r in replicas]
+    body = chat_body("a prefix that lands somewhere first")
+    first = await envoy.post(CHAT, body)
+    outside = [e for e in at if e != first.served]
+    # The replica holding the prefix is outside the subset: the pick stays inside it, and so
+    # do its fallbacks, whether Envoy sends the hint as a list or as one comma string.
+    for subset in (outside, ",".join(outside)):
+        got = await envoy.post(CHAT, body, subset=subset)
+        assert got.status == 200 and got.served in outside
+        assert set(got.pick.split(",")) <= set(outside)
+    # Within the subset, the prefix is followed as without one.
+    got = await envoy.post(CHAT, body, subset=[first.served, outside[0]])
+    assert got.served == first.served and cached(got.body) > 0
+
+
+async def test_the_exchange_books_a_leg_where_the_transport_says_it_went(fleet, gateway):
+    """The seam itself: a transport whose request went to another replica than planned (a
+    proxy walking its fallbacks) says where; the exchange takes the planned replica's blocks
+    back and books the request there, not where the scheduler would choose next."""
+    from router.routing.exchange import Exchange
+    from router.upstream.proxy import Outcome, UpstreamUnavailable
+
+    replicas = await fleet(3)
+    running = await gateway([r.url for r in replicas])
+    gw = running.gateway
+    body = chat_body("booked where it went")
+    rr = await gw.path.prepare(json.dumps(body).encode(), {}, "chat", "went", None)
+    planned = (await gw.path.decide(rr)).replica
+    next_choice = (await gw.path.decide(rr, frozenset({planned}))).replica
+    went = next(r.url for r in replicas if r.url not in (planned, next_choice))
+    legs: list[str] = []
+
+    class Walked:
+        async def send(self, wire: Any, report: Any) -> tuple[None, Outcome]:
+            legs.append(wire.url.removesuffix(CHAT))
+            await report.sent()
+            if len(legs) == 1:
+                raise UpstreamUnavailable("connect: refused", sent=False, went=went)
+            report.first_byte()
+            return None, Outcome(200, 0.01, 0, 4, True, b"{}")
+
+    await Exchange(gw.exchanges, rr, {}, {}, Walked()).run()
+    assert legs == [planned, went]
+    held = await gw.index.match(rr.block_hashes, [r.url for r in replicas])
+    assert held[went] == len(rr.block_hashes) and held[planned] == 0
+
+
+def test_without_the_extra_the_flag_names_it_in_one_line():
+    from tests.test_cli_errors import DEAD, run
+
+    # The extra's modules made unimportable, as in an install without it.
+    hide = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('grpc', 'grpc_health', 'envoy'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from router.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    res = run("serve", "--replica", DEAD, "--ext-proc-port", "0", code=hide)
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert "--ext-proc-port" in line and "pip install 'prefix-router[ext-proc]'" in line
+
+
+def test_a_taken_ext_proc_port_says_so_before_starting():
+    import socket
+
+    from tests.test_cli_errors import DEAD, run
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run("serve", "--replica", DEAD, "--port", str(free), "--ext-proc-port", str(port))
+    assert res.returncode == 2
+    (line,) = res.stderr.strip().splitlines()
+    assert "already in use" in line and "--ext-proc-port" in line

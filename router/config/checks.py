@@ -54,6 +54,13 @@ def problems(config: Config) -> list[str]:
         problems.append(
             f"metrics_port must be 1..65535 and differ from port, got {config.server.metrics_port}"
         )
+    ext_proc = config.server.ext_proc_port
+    if ext_proc is not None and not (
+        0 <= ext_proc < 65536 and ext_proc not in (config.server.port, config.server.metrics_port)
+    ):
+        problems.append(
+            f"ext_proc_port must be 0..65535 and differ from port and metrics_port, got {ext_proc}"
+        )
     if config.routing.block_size is not None and config.routing.block_size <= 0:
         problems.append(f"block_size must be positive, got {config.routing.block_size}")
     from router.intake.held import HELD_FACTOR

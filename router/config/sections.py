@@ -38,6 +38,11 @@ class Server:
         "also serve /metrics on this port without a key (for Prometheus; with auth on, "
         "/metrics on the main port needs the admin key)",
     )
+    ext_proc_port: int | None = _opt(
+        None,
+        "also serve Envoy's ext_proc on this port as a Gateway API Inference Extension "
+        "endpoint picker, with gRPC health (needs the ext-proc extra; 0: a free port)",
+    )
     log_level: str = _opt("info", "debug, info, warning or error")
     workers: int = _opt(
         1,

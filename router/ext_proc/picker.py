@@ -96,6 +96,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
                 return
             await self.routed(conv, first, headers, endpoint, request_id)
         except APIError as e:
+            self.gw.metrics.ext_proc_refusals.labels(str(e.status)).inc()
             if e.status >= 500:
                 log.info("request %s: refused to Envoy with %d: %s", request_id, e.status, e)
             await conv.write(self.refusal(e, endpoint, request_id))
@@ -145,8 +146,9 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             )
             only = self.allowed(rr.model, subset)
             upstream = self.upstream_headers(client_headers, request_id)
+            gw.metrics.front_end_requests.labels("ext_proc").inc()
             leg = EnvoyLeg(conv, modes, headers, raw, self.fallbacks(rr.model, only), self.url_at)
-            await Exchange(gw.exchanges, rr, client_headers, upstream, leg).run()  # TODO only
+            await Exchange(gw.exchanges, rr, client_headers, upstream, leg, only=only).run()
 
     async def read_body(self, conv: Conversation, client: str) -> bytes:
         """The request body's chunks until Envoy marks its end, within ``max_body_bytes`` and

@@ -92,16 +92,22 @@ class EnvoyLeg:
         endpoint = endpoint_of(wire.url)
         if not self.picked:
             self.started = time.perf_counter()
-            await self._pick(wire, endpoint)
             self.picked = True
+            # The placement is recorded before the pick is written: writing yields to the
+            # loop, and a request decided meanwhile must see where this one went (as the relay
+            # records it before anything else runs once its request is on the wire).
             await report.sent()
+            await self._pick(wire, endpoint)
             await self._response_headers()
+            if self.served is None:  # an Envoy that does not say: where it was told to go
+                self.served = endpoint
         else:
             await report.sent()  # the request already on its way to this replica
         if self.served != endpoint:
             raise UpstreamUnavailable(
                 f"connect: Envoy could not reach {endpoint} and went on to {self.served}",
                 sent=False,
+                went=self.replica_at(self.served or ""),
             )
         await self.conv.write(protocol.response_headers_response(wire.extra_headers))
         return None, await self._response_body(report)

@@ -39,6 +39,8 @@ log = logging.getLogger("prefix_router")
 
 LINGER_S = 1.0  # how long an unread body is drained before its connection closes
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway")
+# The ext_proc listener (router/ext_proc/server.py), when ``ext_proc_port`` is set.
+EXT_PROC_KEY: web.AppKey[list[Any]] = web.AppKey("ext_proc")
 
 __all__ = [
     "GATEWAY_KEY",
@@ -133,11 +135,20 @@ def build_app(
         extend(app, gateway)
 
     metrics_runner: list[web.AppRunner] = []
+    ext_proc: list[Any] = []
+    app[EXT_PROC_KEY] = ext_proc
 
     async def on_startup(app: web.Application) -> None:
         await gateway.start()
         if config.server.metrics_port:
             metrics_runner.append(await _start_metrics_listener(routes, config))
+        if config.server.ext_proc_port is not None:
+            # Imported here: gRPC and Envoy's protos are an extra only this mode needs.
+            from router.ext_proc.server import start_ext_proc
+
+            ext_proc.append(
+                await start_ext_proc(gateway, config.server.host, config.server.ext_proc_port)
+            )
 
     async def on_shutdown(app: web.Application) -> None:
         gateway.draining = True
@@ -145,6 +156,8 @@ def build_app(
     async def on_cleanup(app: web.Application) -> None:
         for runner in metrics_runner:
             await runner.cleanup()
+        for server in ext_proc:  # its streams finish within the same grace as HTTP's
+            await server.stop(config.server.shutdown_grace_s)
         await gateway.stop()
 
     app.on_startup.append(on_startup)
@@ -171,6 +184,7 @@ class RunningGateway:
     url: str
     runner: web.AppRunner
     gateway: Gateway
+    ext_proc_port: int | None = None  # the bound ext_proc port, when serving it
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -222,8 +236,14 @@ async def start_gateway(
     sock = site._server.sockets[0]  # type: ignore[union-attr]
     host, bound = sock.getsockname()[:2]
     url = f"http://{host}:{bound}"
-    startup.announce(app[GATEWAY_KEY], url)
-    return RunningGateway(url, runner, app[GATEWAY_KEY])
+    startup.announce(app[GATEWAY_KEY], url, ext_proc_port(app))
+    return RunningGateway(url, runner, app[GATEWAY_KEY], ext_proc_port(app))
+
+
+def ext_proc_port(app: web.Application) -> int | None:
+    """The port the app's ext_proc listener bound, if it serves one."""
+    servers = app[EXT_PROC_KEY]
+    return servers[0].port if servers else None
 
 
 SWITCH_INTERVAL_S = 0.001  # sys.setswitchinterval for a served gateway (the default: 5 ms)
@@ -241,7 +261,8 @@ def run_app(app: web.Application, config: Config, loop: asyncio.AbstractEventLoo
                 runner, config.server.host, config.server.port, reuse_port=config.server.workers > 1
             )
             await site.start()
-            startup.announce(app[GATEWAY_KEY], f"http://{config.server.host}:{config.server.port}")
+            url = f"http://{config.server.host}:{config.server.port}"
+            startup.announce(app[GATEWAY_KEY], url, ext_proc_port(app))
             await asyncio.Event().wait()  # until a signal raises GracefulExit
         finally:
             await runner.cleanup()

@@ -197,6 +197,7 @@ class Handlers:
 
     async def route_prepared(self, request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
         """A prepared request's life (router/routing/exchange.py), relayed to ``request``'s client."""
+        self.gw.metrics.front_end_requests.labels("http").inc()
         relay = Relay(self.upstream, request)
         headers = self.upstream_headers(request)
         return await Exchange(self.exchanges, rr, request.headers, headers, relay).run()

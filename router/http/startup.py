@@ -31,7 +31,7 @@ def _state(r: Replica) -> str:
     return f"{r.url}: {r.health_error or 'not checked yet'}"
 
 
-def summary(gw: Gateway, url: str) -> list[str]:
+def summary(gw: Gateway, url: str, ext_proc_port: int | None = None) -> list[str]:
     """The start-up block, one setting a line."""
     assert gw.fleet is not None
     config = gw.config
@@ -56,6 +56,11 @@ def summary(gw: Gateway, url: str) -> list[str]:
     if config.server.metrics_port:
         lines.append(
             f"  metrics     /metrics also on port {config.server.metrics_port} without a key"
+        )
+    if ext_proc_port is not None:
+        lines.append(
+            f"  ext_proc    endpoint picker on port {ext_proc_port} (gRPC: Envoy's "
+            "ExternalProcessor and health)"
         )
     return lines
 
@@ -107,11 +112,11 @@ def _auth(gw: Gateway) -> str:
     )
 
 
-def announce(gw: Gateway, url: str) -> None:
+def announce(gw: Gateway, url: str, ext_proc_port: int | None = None) -> None:
     """Log the summary, then "gateway ready" now or, if ``/ready`` is 503, what it waits for
     and "gateway ready" once it is (router/readiness.py: a replica healthy, its models
     answered and their tokenizers settled)."""
-    log.info("%s", "\n".join(summary(gw, url)))
+    log.info("%s", "\n".join(summary(gw, url, ext_proc_port)))
     gw.listening = True
     blocked = waiting_for(gw)
     if blocked is None:

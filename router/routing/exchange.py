@@ -115,6 +115,7 @@ class Exchange(Generic[A]):
         "transport",
         "ticket",
         "tried",
+        "only",
         "attempt",
         "_sent_at",
     )
@@ -126,6 +127,7 @@ class Exchange(Generic[A]):
         client_headers: Mapping[str, str],
         upstream_headers: Mapping[str, str],
         transport: Transport[A],
+        only: frozenset[str] | None = None,
     ) -> None:
         self.owner = owner
         self.path = owner.path
@@ -135,6 +137,9 @@ class Exchange(Generic[A]):
         self.transport = transport
         self.ticket: Ticket | None = None
         self.tried: set[str] = set()  # replicas that failed before their first byte
+        # The replicas the request may go to (None: any): an endpoint picker's subset hint,
+        # or the one a proxy already sent it to (``UpstreamUnavailable.went``).
+        self.only = only
         self.attempt: Attempt | None = None  # the leg being sent
         self._sent_at = 0.0
 
@@ -152,7 +157,7 @@ class Exchange(Generic[A]):
             while True:
                 # plan: the scheduler's legs, avoiding the replicas that failed; flow
                 # control's slot counted where the prompt is prefilled (the first leg).
-                plan = await path.plan(rr, frozenset(self.tried), ticket.replica)
+                plan = await path.plan(rr, self.excluded(fleet), ticket.replica)
                 first = plan.legs[0]
                 ticket.decided(
                     first.replica.url,
@@ -183,6 +188,8 @@ class Exchange(Generic[A]):
                         retrying = await retries.failed(
                             fleet, failed, e, tried, retrying, self.saturated, self.idle
                         )
+                        if e.went is not None:  # the bytes went there: booked there
+                            self.only = frozenset({e.went})
                         log.info(
                             "request %s: %s failed before the first byte (%s); retrying",
                             rr.request_id,
@@ -201,10 +208,16 @@ class Exchange(Generic[A]):
         """Prefill-first order: the decode replica chosen now, on the load once the prefill
         leg answered (an adapter loaded if it moved: the one wait between the legs)."""
         path, rr = self.path, self.rr
-        leg = await path.leg(rr, frozenset(self.tried), None, "decode")
+        leg = await path.leg(rr, self.excluded(self.owner.fleet()), None, "decode")
         if leg.replica is not planned.replica:
             await path.upkeep.ensure_adapter(rr, leg.replica)
         return dataclasses.replace(leg, prefill_tokens=0)
+
+    def excluded(self, fleet: Fleet) -> frozenset[str]:
+        """The replicas the plan must avoid: those that failed, and any outside ``only``."""
+        if self.only is None:
+            return frozenset(self.tried)
+        return frozenset(self.tried).union(u for u in fleet.replicas if u not in self.only)
 
     # -- one leg: account, send, first byte, outcome -----------------------------------------
     async def leg(

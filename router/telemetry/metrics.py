@@ -83,6 +83,19 @@ class Metrics:
         self.tenant_requests = LoopCounter(
             "prefix_router_tenant_requests", "Requests by tenant", ["tenant"], registry=r
         )
+        self.front_end_requests = LoopCounter(
+            "prefix_router_front_end_requests",
+            "Routed requests by the front end they came through: http (proxy mode) or "
+            "ext_proc (endpoint picker mode, router/ext_proc/); every other series counts both",
+            ["front_end"],
+            registry=r,
+        )
+        self.ext_proc_refusals = LoopCounter(
+            "prefix_router_ext_proc_refusals",
+            "Endpoint picker mode: requests answered with an ext_proc immediate response",
+            ["status"],
+            registry=r,
+        )
         # -- per served model (router/models/)
         self.model_info = Gauge(
             "prefix_router_model_info",

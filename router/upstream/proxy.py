@@ -93,15 +93,20 @@ class UpstreamUnavailable(Exception):
     (False when another request already recorded this one, e.g. a shared adapter load).
     ``sent``: the replica may still compute the request (it reached it and the connection
     was not dropped: a timeout, an answer refusing it), so a re-send may have it computed
-    twice and takes the retry budget."""
+    twice and takes the retry budget. ``went``: the replica that took the request instead,
+    when another proxy sends the bytes and already went on to the next endpoint (Envoy
+    walking an endpoint picker's fallbacks): the request can only be booked there."""
 
-    def __init__(self, why: str, counts: bool = True, sent: bool | None = None) -> None:
+    def __init__(
+        self, why: str, counts: bool = True, sent: bool | None = None, went: str | None = None
+    ) -> None:
         super().__init__(why)
         self.why = why
         self.counts = counts
         if sent is None:
             sent = not (why.startswith("connect") or why in DROPPED)
         self.sent = sent
+        self.went = went
 
 
 @dataclass(slots=True)
