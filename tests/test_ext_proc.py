@@ -1,5 +1,5 @@
 """Endpoint picker mode over real sockets: a gateway's ext_proc port, an in-process Envoy
-stand-in (tests/envoy_standin.py) that plays Envoy's side of the stream and relays each
+stand-in (loadtest/envoy_standin.py) that plays Envoy's side of the stream and relays each
 request to the simulated replica the picker names, and, beside it, the same workload through
 a proxy-mode gateway on a fleet of its own. The picker must place every request where proxy
 mode does, predict the replica's cached tokens as exactly, and keep the same books."""
@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadtest.envoy_standin import EnvoyStandIn
 from router.ext_proc import protocol
 from router.upstream.proxy import usage_of
-from tests.envoy_standin import EnvoyStandIn
 from tests.helpers import LONG_SYSTEM, chat_body, post, replica_stats, wait_for
 from tests.test_tenancy import WRONG_KEY, bearer, keys_file
 
@@ -437,3 +437,57 @@ def test_a_taken_ext_proc_port_says_so_before_starting():
     assert res.returncode == 2
     (line,) = res.stderr.strip().splitlines()
     assert "already in use" in line and "--ext-proc-port" in line
+
+
+async def test_every_api_is_placed_and_predicted_as_in_proxy_mode(fleet, gateway, picker):
+    """Completions, Messages and Responses bodies (chat above): rendered and hashed as in proxy
+    mode, so the same replica and the same, exactly predicted, cached tokens."""
+    model = "Qwen/Qwen3-0.6B"
+    bodies = []
+    for n in range(2):
+        bodies += [
+            ("/v1/completions", {"model": model, "prompt": LONG_SYSTEM + f"Q{n}", "max_tokens": 4}),
+            (
+                "/v1/messages",
+                {
+                    "model": model,
+                    "max_tokens": 4,
+                    "system": LONG_SYSTEM,
+                    "messages": [{"role": "user", "content": f"Hello {n}"}],
+                },
+            ),
+            (
+                "/v1/responses",
+                {
+                    "model": model,
+                    "instructions": LONG_SYSTEM,
+                    "input": f"Hi {n}",
+                    "max_output_tokens": 4,
+                },
+            ),
+        ]
+    replicas = await fleet(3)
+    async with aiohttp.ClientSession() as s:
+        f = Fleet(replicas, s)
+        await f.begin()
+        proxy = await gateway(f.urls)
+        proxied = []
+        for path, body in bodies:
+            status, headers, answer = await post(s, proxy.url + path, body)
+            assert status == 200, answer
+            reused = cached(json.dumps(answer).encode())
+            assert reused == int(headers[BLOCKS_HDR]) * BLOCK, path  # exact
+            proxied.append((headers[REPLICA_HDR], reused))
+        await proxy.stop()
+
+        await f.begin()
+        envoy = await picker(await gateway(f.urls, ext_proc_port=0))
+        for n, (path, body) in enumerate(bodies):
+            got = await envoy.post(
+                path, body, mode=(protocol.FULL_DUPLEX, protocol.BUFFERED)[n % 2]
+            )
+            assert got.status == 200, got.body
+            assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK, path
+            assert ("http://" + got.served, cached(got.body)) == proxied[n], path
+    assert sum(c for _, c in proxied) > 0
+

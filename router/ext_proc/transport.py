@@ -50,18 +50,13 @@ def request_mutation(
     wanted = CIMultiDict(upstream)
     set_ = {k: v for k, v in wanted.items() if client.get(k) != v}
     set_.update(extra)
-    remove = sorted(
-        {
-            k.lower()
-            for k in client
-            if k not in wanted
-            and not k.startswith(":")
-            and not k.lower().startswith("x-envoy-")
-            and k.lower() not in KEPT
-            and k.lower() not in {e.lower() for e in extra}
-        }
-    )
-    return set_, remove
+    kept = KEPT.union(e.lower() for e in extra)
+    remove = set()
+    for k in client:
+        key = k.lower()
+        if key not in wanted and key not in kept and not key.startswith((":", "x-envoy-")):
+            remove.add(key)
+    return set_, sorted(remove)
 
 
 class EnvoyLeg:

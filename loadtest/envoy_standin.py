@@ -1,4 +1,5 @@
-"""An in-process Envoy stand-in for the endpoint picker's tests and benchmark: a gRPC client
+"""An in-process Envoy stand-in for the endpoint picker's tests and benchmark
+(loadtest/bench_ext_proc.py): a gRPC client
 that plays Envoy's side of the ext_proc protocol (as llm-d's hermetic integration tests do,
 test/integration/util.go) and relays the request to the endpoint the picker names itself.
 
@@ -91,6 +92,21 @@ class EnvoyStandIn:
         if self.session is not None:
             await self.session.close()
         await self.channel.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(auto_decompress=False)
+        return self.session
+
+    async def relay_only(self, path: str, body: bytes, endpoint: str) -> Answer:
+        """The relay alone, to ``endpoint``, with no picker asked: Envoy's own part of a
+        request (the benchmark's baseline for the picker's added latency)."""
+        headers = {"content-type": "application/json", "x-request-id": os.urandom(8).hex()}
+        async with self._session().post(
+            f"http://{endpoint}{path}", data=body, headers=headers
+        ) as r:
+            data = await r.read()
+            return Answer(r.status, CIMultiDict(r.headers), data, served=endpoint)
 
     async def post(
         self,
@@ -213,8 +229,7 @@ class EnvoyStandIn:
         picked: float,
         response_mode: int,
     ) -> Answer:
-        if self.session is None:
-            self.session = aiohttp.ClientSession(auto_decompress=False)
+        session = self._session()
         upstream = CIMultiDict(
             (k, v)
             for k, v in client.items()
@@ -222,9 +237,7 @@ class EnvoyStandIn:
         )
         for endpoint in [e.strip() for e in pick.split(",") if e.strip()]:
             try:
-                resp = await self.session.post(
-                    f"http://{endpoint}{path}", data=body, headers=upstream
-                )
+                resp = await session.post(f"http://{endpoint}{path}", data=body, headers=upstream)
             except aiohttp.ClientConnectorError:
                 continue  # refused: the next endpoint, as Envoy's ORIGINAL_DST retry does
             async with resp:
@@ -254,16 +267,18 @@ class EnvoyStandIn:
         served = msg.metadata_context.filter_metadata[protocol.LB_NAMESPACE]
         served.fields[protocol.SERVED].string_value = endpoint
         await call.write(msg)
-        answer = await call.read()
-        assert answer.HasField("response_headers"), answer
-        _apply(headers, answer.response_headers.response.header_mutation)
         out = bytearray()
         chunks = 0
         done_at = 0.0
         if response_mode == protocol.FULL_DUPLEX:
+            # Envoy sends the body as it comes without waiting for the headers' answer; the
+            # answers are read as they come back, the headers' first.
 
             async def collect() -> None:
                 nonlocal chunks
+                a = await call.read()
+                assert a.HasField("response_headers"), a
+                _apply(headers, a.response_headers.response.header_mutation)
                 while True:
                     a = await call.read()
                     assert a.HasField("response_body"), a
@@ -275,16 +290,34 @@ class EnvoyStandIn:
 
             reader = asyncio.create_task(collect())
             try:
+                # With a Content-Length, the last chunk carries the end (as Envoy's HTTP/1
+                # codec reports it); a chunked body ends with an empty one.
+                left = resp.content_length
                 async for chunk in resp.content.iter_any():
-                    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
-                done_at = time.perf_counter()
-                await call.write(
-                    pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True))
-                )
+                    if left is not None:
+                        left -= len(chunk)
+                    end = left is not None and left <= 0
+                    if end:
+                        done_at = time.perf_counter()
+                    await call.write(
+                        pb.ProcessingRequest(
+                            response_body=pb.HttpBody(body=chunk, end_of_stream=end)
+                        )
+                    )
+                    if end:
+                        break
+                else:
+                    done_at = time.perf_counter()
+                    await call.write(
+                        pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True))
+                    )
                 await reader
             finally:
                 reader.cancel()
         else:
+            answer = await call.read()
+            assert answer.HasField("response_headers"), answer
+            _apply(headers, answer.response_headers.response.header_mutation)
             data = await resp.read()
             done_at = time.perf_counter()
             await call.write(
