@@ -491,3 +491,31 @@ async def test_every_api_is_placed_and_predicted_as_in_proxy_mode(fleet, gateway
             assert ("http://" + got.served, cached(got.body)) == proxied[n], path
     assert sum(c for _, c in proxied) > 0
 
+
+async def test_a_responses_follow_up_goes_where_its_previous_response_is_stored(
+    fleet, gateway, picker
+):
+    replicas = await fleet(3)
+    running = await gateway([r.url for r in replicas], ext_proc_port=0)
+    envoy = await picker(running)
+    gw = running.gateway
+    first = await envoy.post(
+        "/v1/responses",
+        {"model": "Qwen/Qwen3-0.6B", "input": "Remember this.", "max_output_tokens": 4},
+    )
+    assert first.status == 200, first.body
+    stored = "http://" + first.served
+    # A follow-up whose own prompt the scheduler would place elsewhere.
+    for n in range(40):
+        follow = {
+            "model": "Qwen/Qwen3-0.6B",
+            "instructions": f"Another assistant, number {n}. " + LONG_SYSTEM,
+            "input": "And now?",
+            "max_output_tokens": 4,
+        }
+        rr = await gw.path.prepare(json.dumps(follow).encode(), {}, "responses", "probe", None)
+        if (await gw.path.decide(rr)).replica != stored:
+            break
+    got = await envoy.post("/v1/responses", {**follow, "previous_response_id": first.json()["id"]})
+    assert got.status == 200, got.body
+    assert "http://" + got.served == stored

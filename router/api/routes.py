@@ -52,6 +52,31 @@ class _LearnResponseIds:
             self.gateway.spawn(self.ids.share(response_id, decision.replica, rr.tenant))
 
 
+# The gateway's store of which replica holds each response, for the other front end
+# (router/ext_proc/, through ``pin_stored``).
+RESPONSE_IDS: web.AppKey[ResponseReplicas] = web.AppKey("response_ids")
+
+
+async def pin_stored(rr: RoutedRequest, tenant: str, ids: ResponseReplicas) -> RoutedRequest:
+    """``rr`` pinned to the replica holding its ``previous_response_id``, and with auth
+    on, the id of the response it stores ours."""
+    previous = rr.body.get("previous_response_id")
+    if previous is not None:
+        if not isinstance(previous, str):
+            raise bad_request("previous_response_id must be a string", "previous_response_id")
+        replica = await ids.lookup(previous, tenant)
+        if replica is not None:
+            rr = dataclasses.replace(rr, pinned_replica=replica)
+        elif ids.enforce:
+            # Unknown here may still be held by a replica for another tenant: never sent.
+            raise not_found(previous)
+        # else (one tenant): routed as usual; vLLM answers 404 if it is gone
+    if ids.enforce and rr.body.get("store") is not False:
+        rr.body["request_id"] = new_response_id()  # the response's id: ours, not the client's
+        rr = dataclasses.replace(rr, raw=None)  # the body changed: forwarded re-encoded
+    return rr
+
+
 def not_found(response_id: str) -> APIError:
     """vLLM's answer for an id its store does not hold; the gateway's for one the tenant
     did not create, word for word the same."""
@@ -73,6 +98,7 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
         enforce=gateway.config.auth.enabled,
     )
     gateway.watch(_LearnResponseIds(gateway, ids))
+    app[RESPONSE_IDS] = ids
 
     async def messages(request: web.Request) -> web.StreamResponse:
         try:
@@ -95,27 +121,8 @@ def register(app: web.Application, routes: Handlers, REQUEST_ID: web.RequestKey[
                 raw, request.headers, "responses", request_id, tenant, lazy=True, limited=True
             )
             del raw  # what waits is one copy of its body, the bytes it forwards
-            rr = waiting(await stored_ids(rr, tenant))
+            rr = waiting(await pin_stored(rr, tenant, ids))
             return await routes.route_prepared(request, rr)
-
-    async def stored_ids(rr: RoutedRequest, tenant: str) -> RoutedRequest:
-        """``rr`` pinned to the replica holding its ``previous_response_id``, and with auth
-        on, the id of the response it stores ours."""
-        previous = rr.body.get("previous_response_id")
-        if previous is not None:
-            if not isinstance(previous, str):
-                raise bad_request("previous_response_id must be a string", "previous_response_id")
-            replica = await ids.lookup(previous, tenant)
-            if replica is not None:
-                rr = dataclasses.replace(rr, pinned_replica=replica)
-            elif ids.enforce:
-                # Unknown here may still be held by a replica for another tenant: never sent.
-                raise not_found(previous)
-            # else (one tenant): routed as usual; vLLM answers 404 if it is gone
-        if ids.enforce and rr.body.get("store") is not False:
-            rr.body["request_id"] = new_response_id()  # the response's id: ours, not the client's
-            rr = dataclasses.replace(rr, raw=None)  # the body changed: forwarded re-encoded
-        return rr
 
     async def stored(request: web.Request) -> web.StreamResponse:
         """``GET``/``DELETE /v1/responses/{id}`` and ``POST .../cancel``: to the replica

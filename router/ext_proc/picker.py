@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -32,7 +32,7 @@ from router.ext_proc.conversation import Conversation
 from router.ext_proc.transport import EnvoyLeg, endpoint_of, request_mutation
 from router.gateway import Gateway
 from router.intake.budget import peer_key
-from router.intake.routed_request import Endpoint
+from router.intake.routed_request import Endpoint, RoutedRequest
 from router.routing.exchange import Exchange
 from router.upstream.proxy import request_headers
 
@@ -78,9 +78,17 @@ def _coding(headers: Mapping[str, str]) -> str:
 class Picker(pb_grpc.ExternalProcessorServicer):
     """The ext_proc service of one gateway."""
 
-    def __init__(self, gateway: Gateway, default_mode: int = protocol.FULL_DUPLEX) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        default_mode: int = protocol.FULL_DUPLEX,
+        responses: Callable[[RoutedRequest, str], Awaitable[RoutedRequest]] | None = None,
+    ) -> None:
         self.gw = gateway
         self.default_mode = default_mode  # when Envoy does not say (no protocol_config)
+        # A Responses body: pinned to the replica holding its previous_response_id, as the
+        # HTTP front end pins it (router/api/routes.py ``pin_stored``).
+        self.responses = responses
 
     async def Process(self, request_iterator: Any, context: Any) -> None:  # noqa: N802
         conv = Conversation(context)
@@ -100,6 +108,14 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             if e.status >= 500:
                 log.info("request %s: refused to Envoy with %d: %s", request_id, e.status, e)
             await conv.write(self.refusal(e, endpoint, request_id))
+        except Exception as e:
+            # One line, as the HTTP front end logs it (a hostile body must not write a
+            # traceback); Envoy gets a 500 in the API's shape while it can still take one.
+            log.error("request %s failed: %s: %.200s", request_id, type(e).__name__, e)
+            if conv.written:
+                raise
+            err = APIError(500, "internal error in the gateway", code="internal_error")
+            await conv.write(self.refusal(err, endpoint, request_id))
 
     def refusal(
         self, e: APIError, endpoint: Endpoint | None, request_id: str
@@ -144,6 +160,8 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             rr = await gw.path.prepare(
                 body, client_headers, endpoint, request_id, tenant, lazy=True, limited=True
             )
+            if endpoint == "responses" and self.responses is not None:
+                rr = await self.responses(rr, tenant)
             only = self.allowed(rr.model, subset)
             upstream = self.upstream_headers(client_headers, request_id)
             gw.metrics.front_end_requests.labels("ext_proc").inc()

@@ -9,6 +9,7 @@ check, nothing cached).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.ext_proc import protocol
 from router.ext_proc.picker import Picker
 from router.gateway import Gateway
+from router.intake.routed_request import RoutedRequest
 
 LIVE = frozenset({"", "liveness"})
 READY = frozenset({"readiness", protocol.SERVICE_NAME})
@@ -51,11 +53,17 @@ class ExtProcServer:
 
 
 async def start_ext_proc(
-    gateway: Gateway, host: str, port: int, default_mode: int = protocol.FULL_DUPLEX
+    gateway: Gateway,
+    host: str,
+    port: int,
+    default_mode: int = protocol.FULL_DUPLEX,
+    responses: Callable[[RoutedRequest, str], Awaitable[RoutedRequest]] | None = None,
 ) -> ExtProcServer:
-    """Serve the picker and health on ``host:port`` (``port`` 0: a free one)."""
+    """Serve the picker and health on ``host:port`` (``port`` 0: a free one). ``responses``:
+    the Responses store's pinning (router/api/routes.py ``pin_stored``)."""
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(Picker(gateway, default_mode), server)
+    picker = Picker(gateway, default_mode, responses)
+    pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(Health(gateway), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)

@@ -32,6 +32,7 @@ from router.http.connections import ConnectionLimits, GatewayRunner
 from router.http.handlers import HANDLERS, REQUEST_ID, Handlers
 from router.index import PrefixIndex
 from router.intake.budget import share_of
+from router.intake.routed_request import RoutedRequest
 from router.prompt import Renderer
 from router.telemetry.redact import install as install_redaction
 
@@ -146,8 +147,15 @@ def build_app(
             # Imported here: gRPC and Envoy's protos are an extra only this mode needs.
             from router.ext_proc.server import start_ext_proc
 
+            ids = app[api_routes.RESPONSE_IDS]
+
+            async def pin(rr: RoutedRequest, tenant: str) -> RoutedRequest:
+                return await api_routes.pin_stored(rr, tenant, ids)
+
             ext_proc.append(
-                await start_ext_proc(gateway, config.server.host, config.server.ext_proc_port)
+                await start_ext_proc(
+                    gateway, config.server.host, config.server.ext_proc_port, responses=pin
+                )
             )
 
     async def on_shutdown(app: web.Application) -> None:
