@@ -39,8 +39,18 @@ class Handover:
         if plan.skipped is not None:
             watch.skipped.labels(plan.skipped).inc()
 
-    def body(self, leg: Leg) -> bytes:
-        """The bytes ``leg`` sends."""
+    def outgoing(self, leg: Leg) -> tuple[Leg, bytes]:
+        """``leg`` as it is sent, and its bytes: a one-leg plan's leg and the client's
+        request; a split plan's legs counted, the decode leg with its prefill count restored
+        if its prefill leg gave it nothing to pull (``_decode_leg``)."""
+        if not self.split:
+            return leg, self.rr.forwarded_body()
+        leg = self._decode_leg(leg)
+        self.watch.legs.labels(leg.role).inc()
+        return leg, self._body(leg)
+
+    def _body(self, leg: Leg) -> bytes:
+        """The bytes a split plan's ``leg`` sends."""
         rr = self.rr
         if leg.role == "prefill":
             return json.dumps(legs.prefill_body(rr.endpoint, rr.body)).encode()
@@ -49,10 +59,10 @@ class Handover:
             return json.dumps(legs.decode_body(rr.body, answer)).encode()
         return rr.forwarded_body()  # the client's request, served whole
 
-    def decode_leg(self, leg: Leg) -> Leg:
+    def _decode_leg(self, leg: Leg) -> Leg:
         """The decode leg as sent: without transfer parameters from its prefill leg it
         computes the prompt itself (its prefill count restored)."""
-        if not self.split or leg.role != "decode":
+        if leg.role != "decode":
             return leg
         if self.answer is not None and self.answer.params is not None:
             rr = self.rr
@@ -67,10 +77,6 @@ class Handover:
             return leg
         held = leg.decision.matched_blocks * self.rr.block_size
         return dataclasses.replace(leg, prefill_tokens=max(0, self.rr.num_tokens - held))
-
-    def sending(self, leg: Leg) -> None:
-        if self.split:
-            self.watch.legs.labels(leg.role).inc()
 
     def prefill_answered(self, leg: Leg, data: bytes, outcome: Outcome) -> None:
         """Read the prefill answer. A 4xx (the client's request refused) or an answer without

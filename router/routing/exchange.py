@@ -170,9 +170,7 @@ class Exchange(Generic[A]):
                 for leg in plan.legs:
                     if plan.decode_after_prefill and handover.pulls_from and leg.role == "decode":
                         leg = await self.decode_again(leg)
-                    leg = handover.decode_leg(leg)
-                    handover.sending(leg)
-                    body = handover.body(leg)
+                    leg, body = handover.outgoing(leg)
                     try:
                         if leg.role == "prefill":
                             data, outcome = await self.leg(leg, owner.collect, body)
