@@ -14,7 +14,8 @@ import signal
 
 from loadtest.sim.config import DEFAULT_TOKENIZER, SimConfig
 from loadtest.sim.server import SimReplica
-from loadtest.sim.tokens import get_renderer, get_words
+from loadtest.sim.tokens import get_renderer, get_vllm_chat, get_words
+from loadtest.sim.vllm_chat import load_chat_template
 from router.ops.command_line import (
     HelpFormatter,
     OneLineParser,
@@ -65,6 +66,12 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         default=None,
         help="tokenizer directory or Hugging Face model id (default: the bundled Qwen3 "
         "tokenizer, the one --model's default uses)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="vLLM's --chat-template: a template file or the template text (default: the "
+        "tokenizer's own)",
     )
     p.add_argument(
         "--block-size",
@@ -243,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         model=args.model,
         root=args.root,
         tokenizer=args.tokenizer or DEFAULT_TOKENIZER,
+        chat_template=args.chat_template,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -294,9 +302,14 @@ def _flag_error(e: ValueError) -> str:
     return re.sub(r"SimConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
 
 
-def load_renderer(tokenizer: str) -> Renderer:
+def load_renderer(tokenizer: str, chat_template: str | None = None) -> Renderer:
     try:
-        renderer = get_renderer(tokenizer)
+        load_chat_template(chat_template)
+    except (OSError, ValueError) as e:
+        raise UsageError(one_line(e)) from None
+    try:
+        renderer = get_renderer(tokenizer, chat_template)
+        get_vllm_chat(tokenizer, chat_template)
         get_words(renderer)
     except Exception as e:  # transformers raises OSError, ValueError, hub errors...
         cause = one_line(e).split(";")[0].rstrip(".")
@@ -314,7 +327,7 @@ async def _serve(cfg: SimConfig, host: str, port: int, count: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    renderer = await asyncio.to_thread(load_renderer, cfg.tokenizer)
+    renderer = await asyncio.to_thread(load_renderer, cfg.tokenizer, cfg.chat_template)
     replicas: list[SimReplica] = []
     try:
         for i in range(count):

@@ -17,6 +17,8 @@ class SimConfig:
     model: str = "Qwen/Qwen3-0.6B"
     root: str | None = None  # the card's ``root`` (vLLM: the path or hub id loaded); None: model
     tokenizer: str = DEFAULT_TOKENIZER
+    # vLLM's --chat-template: a file's path or the template text (None: the tokenizer's own).
+    chat_template: str | None = None
     block_size: int = 16
     num_gpu_blocks: int = 4096  # finite pool, LRU eviction of free cached blocks
     prefill_tokens_per_s: float = 200_000.0  # uncached prompt tokens/s, one FIFO per replica

@@ -26,7 +26,8 @@ from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.nixl import SIDE_CHANNEL_PATH, Link, NixlConnector
 from loadtest.sim.protocol import json_response
 from loadtest.sim.stream import Streamer
-from loadtest.sim.tokens import Words, get_renderer, get_words
+from loadtest.sim.tokens import Words, get_renderer, get_vllm_chat, get_words
+from loadtest.sim.vllm_chat import Unsupported, VllmChat
 from router.core.errors import APIError, bad_request
 from router.prompt import Renderer
 
@@ -49,7 +50,9 @@ class SimReplica:
 
     def __init__(self, config: SimConfig | None = None, renderer: Renderer | None = None) -> None:
         self.config = config or SimConfig()
-        self._renderer = renderer
+        # A shared renderer carries the tokenizer's own template: not this replica's override.
+        self._renderer = renderer if self.config.chat_template is None else None
+        self._chat: VllmChat | None = None
         self._words: Words | None = None
         self.stats: dict[str, Any] = new_stats()
         self.health_status = 200
@@ -98,8 +101,15 @@ class SimReplica:
     @property
     def renderer(self) -> Renderer:
         if self._renderer is None:
-            self._renderer = get_renderer(self.config.tokenizer)
+            self._renderer = get_renderer(self.config.tokenizer, self.config.chat_template)
         return self._renderer
+
+    @property
+    def chat(self) -> VllmChat:
+        """The replica's own chat rendering, loaded as vLLM loads it (not the gateway's)."""
+        if self._chat is None:
+            self._chat = get_vllm_chat(self.config.tokenizer, self.config.chat_template)
+        return self._chat
 
     @property
     def running(self) -> bool:
@@ -111,7 +121,13 @@ class SimReplica:
         if self._runner is not None:
             raise RuntimeError("replica already started")
         if self._renderer is None:
-            self._renderer = await asyncio.to_thread(get_renderer, self.config.tokenizer)
+            self._renderer = await asyncio.to_thread(
+                get_renderer, self.config.tokenizer, self.config.chat_template
+            )
+        if self._chat is None:
+            self._chat = await asyncio.to_thread(
+                get_vllm_chat, self.config.tokenizer, self.config.chat_template
+            )
         if self._words is None:
             self._words = await asyncio.to_thread(get_words, self._renderer)
         if self._started_once:
@@ -312,6 +328,12 @@ class SimReplica:
 
     def render_chat(self, body: dict[str, Any]) -> list[int]:
         try:
+            return self.chat.tokenize_chat(body)
+        except Unsupported:
+            pass  # beyond the plain subset: the full renderer (it also says what is wrong)
+        except Exception:
+            pass  # a template error: the full renderer gives vLLM's 400 for it
+        try:
             ids = self.renderer.tokenize_chat(body)
         except APIError:
             raise
@@ -351,7 +373,8 @@ async def run_replicas(
     fields of ``config``."""
     cfg = dataclasses.replace(config or SimConfig(), **overrides)
     if renderer is None:
-        renderer = await asyncio.to_thread(get_renderer, cfg.tokenizer)
+        renderer = await asyncio.to_thread(get_renderer, cfg.tokenizer, cfg.chat_template)
+    await asyncio.to_thread(get_vllm_chat, cfg.tokenizer, cfg.chat_template)
     await asyncio.to_thread(get_words, renderer)
     replicas = [SimReplica(cfg, renderer) for _ in range(n)]
     try:

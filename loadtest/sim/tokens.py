@@ -12,24 +12,49 @@ from pathlib import Path
 import xxhash
 
 from loadtest.sim.config import DEFAULT_TOKENIZER
+from loadtest.sim.vllm_chat import VllmChat, load_chat_template, load_tokenizer
 from router.prompt import Renderer
 
-_RENDERERS: dict[str, Renderer] = {}
+_RENDERERS: dict[tuple[str, str | None], Renderer] = {}
+_CHATS: dict[tuple[str, str | None], VllmChat] = {}
 _WORDS: dict[int, tuple[Renderer, Words]] = {}
 _LOAD_LOCK = threading.Lock()
 
 
-def get_renderer(tokenizer: str = DEFAULT_TOKENIZER) -> Renderer:
-    """One ``Renderer`` per tokenizer per process (loading one costs seconds)."""
+def _key(tokenizer: str, chat_template: str | None) -> tuple[str, str | None]:
     p = Path(tokenizer)
-    key = str(p.resolve()) if p.exists() else tokenizer
+    return (str(p.resolve()) if p.exists() else tokenizer, chat_template)
+
+
+def get_vllm_chat(tokenizer: str = DEFAULT_TOKENIZER, chat_template: str | None = None) -> VllmChat:
+    """The replica's own chat rendering (loadtest/sim/vllm_chat.py): its tokenizer loaded as
+    vLLM loads it, one per tokenizer and ``--chat-template`` per process."""
+    key = _key(tokenizer, chat_template)
+    c = _CHATS.get(key)
+    if c is None:
+        with _LOAD_LOCK:
+            c = _CHATS.get(key)
+            if c is None:
+                c = VllmChat(load_tokenizer(key[0]), load_chat_template(chat_template))
+                _CHATS[key] = c
+    return c
+
+
+def get_renderer(tokenizer: str = DEFAULT_TOKENIZER, chat_template: str | None = None) -> Renderer:
+    """One ``Renderer`` per tokenizer per process (loading one costs seconds): what the
+    simulator validates requests with, and renders the bodies ``VllmChat`` leaves to it."""
+    key = _key(tokenizer, chat_template)
     r = _RENDERERS.get(key)
     if r is not None:
         return r
     with _LOAD_LOCK:
         r = _RENDERERS.get(key)
         if r is None:
-            r = Renderer.from_pretrained(key, segment_cache=False)
+            r = Renderer(
+                load_tokenizer(key[0]),
+                segment_cache=False,
+                chat_template=load_chat_template(chat_template),
+            )
             _RENDERERS[key] = r
     return r
 
