@@ -4,7 +4,8 @@ Ready means: the gateway is not draining, and at least one healthy replica has a
 ``/v1/models`` with every base model it lists in the registry and settled: its tokenizer
 loaded (exact), or declared absent (no tokenizer anywhere: the labelled text-prefix
 fallback). A model whose tokenizer is still loading, or failed to load and is being retried
-(router/models/upkeep.py), is not settled. ``/ready``, the "gateway ready" line
+(router/models/upkeep.py), is not settled; nor is a loaded one whose first parity probe
+(router/models/parity.py) has not answered yet. ``/ready``, the "gateway ready" line
 (router/http/startup.py) and whatever else asks whether a gateway can take traffic read
 ``assess``; nothing else decides it.
 """
@@ -55,6 +56,8 @@ class Readiness:
                     "kept_apart": len(e.apart),
                     "block_size": e.block_size,
                     "drifting": e.drift.flagged,
+                    "parity": e.parity,
+                    **({"parity_detail": e.parity_detail} if e.parity_detail else {}),
                     **({"missing_tokenizer": e.missing} if e.missing else {}),
                 }
                 for name, e in sorted(self.models.items())
@@ -99,9 +102,13 @@ def _settled(r: Replica, entries: Mapping[str, ModelEntry]) -> bool:
     for model, parent in r.models.items():
         if parent is None:
             entry = entries.get(model)
-            if entry is None or not entry.loaded:
+            if entry is None or not entry.loaded or _probing(entry):
                 return False
     return True
+
+
+def _probing(entry: ModelEntry) -> bool:
+    return entry.renderer is not None and entry.parity == "pending"
 
 
 def _unsettled(replicas: list[Replica], entries: Mapping[str, ModelEntry]) -> list[str]:
@@ -117,6 +124,8 @@ def _unsettled(replicas: list[Replica], entries: Mapping[str, ModelEntry]) -> li
                 out[model] = f"{model}: failed to load, retrying ({entry.missing})"
             elif entry.state == "pending":
                 out[model] = f"{model}: loading"
+            elif _probing(entry):
+                out[model] = f"{model}: its parity probe"
     return list(out.values())
 
 

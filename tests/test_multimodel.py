@@ -338,7 +338,9 @@ async def test_drift_is_reported_when_the_replicas_render_otherwise(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The gateway is told a chat template the replicas do not use (a long constant head):
-    it predicts a shared prefix the replicas never report, and says so."""
+    it predicts a shared prefix the replicas never report, and says so. The parity probe
+    would catch this template at start-up (tests/test_parity.py): off here, the drift watch is
+    what remains for what a probe cannot see."""
     template = tmp_path / "wrong.jinja"
     template.write_text(
         "{{ 'This is not the template the replicas use. ' * 30 }}"
@@ -346,7 +348,9 @@ async def test_drift_is_reported_when_the_replicas_render_otherwise(
     )
     replica = SimReplica(SimConfig())
     await replica.start()
-    gw = await gateway({replica.url}, models={QWEN: {"chat_template": str(template)}})
+    gw = await gateway(
+        {replica.url}, models={QWEN: {"chat_template": str(template)}}, parity_probe=False
+    )
     try:
         async with aiohttp.ClientSession() as s:
             for i in range(25):

@@ -28,7 +28,8 @@ Reply = Callable[[bytes, bytes, asyncio.StreamWriter], Awaitable[None]]
 @dataclass
 class RawReplica:
     """A raw HTTP/1.1 server: GET /health answers 200 and GET /v1/models lists the model
-    (so a gateway is ready and routes to it), other GETs 404; each POST goes to
+    (so a gateway is ready and routes to it), other GETs and the gateway's parity probe 404
+    (its /tokenize is not checked; not recorded); each other POST goes to
     ``reply(head, body, writer)``. Records what it received."""
 
     reply: Reply
@@ -50,7 +51,7 @@ class RawReplica:
                 body = await reader.readexactly(length)
                 if head.startswith(b"GET /v1/models "):
                     writer.write(json_answer(MODELS))  # as vLLM lists its model
-                elif head.startswith(b"GET "):
+                elif head.startswith(b"GET ") or PROBE_HEADER in head.lower():
                     status = b"200 OK" if head.startswith(b"GET /health ") else b"404 Not Found"
                     writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
                 else:
@@ -66,6 +67,7 @@ class RawReplica:
             writer.close()
 
 
+PROBE_HEADER = b"x-prefix-router-probe: parity"
 MODELS = {"object": "list", "data": [{"id": "Qwen/Qwen3-0.6B", "object": "model"}]}
 
 

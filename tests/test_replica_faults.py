@@ -28,9 +28,10 @@ async def _metrics(s: aiohttp.ClientSession, url: str) -> str:
 async def test_replica_answering_500_is_ejected_on_its_error_ratio(fleet, gateway):
     replicas = await fleet(3)
     bad = replicas[0]
-    bad.fail_next(10**9, status=500)  # every request; its /health stays 200
     # Consecutive-failure ejection out of the way: this is the error-ratio path.
     gw = await gateway([r.url for r in replicas], policy="round_robin", eject_after_failures=10**6)
+    # Armed once the gateway's parity probe (its /tokenize calls) is done.
+    bad.fail_next(10**9, status=500)  # every request; its /health stays 200
     state = gw.gateway.fleet.replicas[bad.url]
     batch = 6
     statuses: collections.Counter[int] = collections.Counter()

@@ -386,6 +386,12 @@ class Registry:
         "this host from HF_ENDPOINT (default the Hugging Face Hub) into the local Hugging Face "
         "cache; never on a request's path; HF_HUB_OFFLINE wins (docs/models.md)",
     )
+    parity_probe: bool = _opt(
+        True,
+        "at start-up and when a model's replicas change, tokenize a fixed set of probe "
+        "requests here and through each replica's /tokenize; a model whose ids differ is "
+        "routed by its text prefix until they agree (docs/models.md)",
+    )
 
 
 @dataclass

@@ -67,6 +67,13 @@ class ModelEntry:
     # absent: the labelled text prefix); failed: one was found or given but did not load
     # (retried with backoff, router/models/upkeep.py). Readiness reads it (router/readiness.py).
     state: str = "pending"
+    # The parity probe (router/models/parity.py): pending, exact, mismatch (its tokenizer is
+    # set aside in ``held``: the text prefix, never hashed wrong), unavailable (no replica's
+    # /tokenize answered: not checked), none (no tokenizer to check).
+    parity: str = "pending"
+    parity_detail: str | None = None
+    parity_replicas: tuple[str, ...] = ()  # the replicas the last probe asked
+    held: Renderer | None = None
 
     @property
     def loaded(self) -> bool:
@@ -95,6 +102,8 @@ class ModelEntry:
             "tokenizer_origin": self.tokenizer_origin,
             "missing_tokenizer": self.missing,
             "tokenizer_state": self.state,
+            "parity": self.parity,
+            "parity_detail": self.parity_detail,
             "block_size": self.block_size,
             "block_size_origin": self.block_size_origin,
             "hash_algo": self.hash_algo,

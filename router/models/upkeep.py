@@ -23,6 +23,7 @@ from router.fleet.replicas import Fleet, Replica
 from router.intake.routed_request import RoutedRequest
 from router.models import download
 from router.models.adapters import AdapterLoads, LoadResult
+from router.models.parity import PROBES, Parity, gateway_ids, probe_replica
 from router.models.registry import ModelEntry, ModelRegistry, Route
 from router.prompt import Renderer
 from router.telemetry.metrics import Metrics
@@ -77,6 +78,9 @@ class ModelUpkeep:
         if self.ready:  # during start-up, Gateway._start loads them
             for name in new:
                 self.spawn(self._load_later(name))
+            for entry in list(self.registry.entries.values()):
+                if entry.loaded and entry.replicas != entry.parity_replicas:
+                    self.spawn(self.probe(entry.name))
 
     async def load_all(self) -> None:
         """Start-up: build the registry from what the replicas reported and load every
@@ -91,6 +95,8 @@ class ModelUpkeep:
         loop = asyncio.get_running_loop()
         for name in self.registry.unloaded():
             self.loaded(await loop.run_in_executor(self.executor, self.registry.load, name))
+        # Readiness waits for each model's first parity probe: run them before serving.
+        await asyncio.gather(*(self.probe(name) for name in list(self.registry.entries)))
         self.ready = self.registry.started = True
         for name in self.registry.unloaded():  # failed (not an explicit tokenizer): retried
             self.spawn(self._load_later(name, RETRY_FIRST_S))
@@ -111,7 +117,10 @@ class ModelUpkeep:
                 entry = self.registry.entries.get(name)
                 if entry is None or entry.loaded:
                     return
-                self.loaded(await loop.run_in_executor(executor, self.registry.load, name))
+                done = await loop.run_in_executor(executor, self.registry.load, name)
+                if done.loaded:  # probed before its hooks: readiness waits for the probe
+                    await self.probe(name)
+                self.loaded(done)
                 if entry.loaded:
                     return
                 delay = min(RETRY_MAX_S, max(RETRY_FIRST_S, 2 * delay))
@@ -128,6 +137,77 @@ class ModelUpkeep:
             ).set(1)
         for hook in self.on_loaded:
             hook(entry)
+
+    # -- the parity probe (router/models/parity.py) ---------------------------------------------
+    async def probe(self, name: str) -> None:
+        """Compare ``name``'s probe requests tokenized here and by each of its replicas; on
+        a mismatch, set its tokenizer aside (the labelled text prefix) until they agree."""
+        entry = self.registry.entries.get(name)
+        fleet, session = self._fleet(), self._session()
+        if entry is None or not entry.loaded or fleet is None or session is None:
+            return
+        renderer = entry.renderer or entry.held
+        urls = entry.replicas
+        if renderer is None or not self.config.registry.parity_probe:
+            entry.parity, entry.parity_replicas = "none" if renderer is None else "off", urls
+            return
+        loop = asyncio.get_running_loop()
+
+        def ours() -> list[tuple[str, list[int]]]:
+            out = []
+            for probe_name, body in PROBES:
+                try:
+                    out.append((probe_name, gateway_ids(renderer, body)))
+                except Exception:  # noqa: BLE001  a template that refuses this shape: skipped
+                    continue
+            return out
+
+        mine = await loop.run_in_executor(self.executor, ours)
+        timeout = self.config.forwarding.first_byte_timeout_floor_s
+        results = await asyncio.gather(
+            *(probe_replica(session, u, name, renderer, mine, fleet.headers, timeout) for u in urls)
+        )
+        if entry.replicas != urls:  # changed meanwhile: the next probe decides
+            return
+        entry.parity_replicas = urls
+        self._apply(entry, results)
+
+    def _apply(self, entry: ModelEntry, results: Sequence[Parity]) -> None:
+        bad = next((r for r in results if r.state == "mismatch"), None)
+        state = (
+            "mismatch"
+            if bad is not None
+            else "exact"
+            if any(r.state == "exact" for r in results)
+            else "unavailable"
+        )
+        before = entry.parity
+        entry.parity = state
+        entry.parity_detail = (
+            bad.detail
+            if bad is not None
+            else (results[0].detail if state == "unavailable" and results else None)
+        )
+        self.metrics.model_parity_mismatch.labels(entry.name).set(1 if bad else 0)
+        if bad is not None:
+            if entry.renderer is not None:
+                entry.held, entry.renderer = entry.renderer, None
+            if before != "mismatch":
+                log.warning(
+                    "model %s: its replicas tokenize the parity probe otherwise than the gateway "
+                    "(%s); its requests are routed by load and a text prefix until they agree: "
+                    "give the gateway the replicas' tokenizer directory (with its config.json) "
+                    "and their --chat-template (models: %s: tokenizer:, chat_template:)",
+                    entry.name,
+                    entry.parity_detail,
+                    entry.name,
+                )
+            return
+        if entry.held is not None:
+            entry.renderer, entry.held = entry.held, None
+            log.info("model %s: the parity probe agrees with its replicas again", entry.name)
+        if state == "unavailable" and before != "unavailable":
+            log.info("model %s: parity not checked (%s)", entry.name, entry.parity_detail)
 
     # -- what the request path asks -----------------------------------------------------------
     def route(self, name: Any, renderer: Renderer | None, block_size: int) -> Route:

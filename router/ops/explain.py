@@ -81,6 +81,8 @@ def describe(
             "replicas": list(entry.replicas),
             "kept_apart": list(entry.apart),
             "drift": entry.drift.state(),
+            "parity": entry.parity,
+            "parity_detail": entry.parity_detail,
         }
     if include_tokens:
         out["token_ids"] = list(rr.token_ids)

@@ -134,6 +134,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.model_parity_mismatch = Gauge(
+            "prefix_router_model_parity_mismatch",
+            "1 while the parity probe finds a model's replicas tokenizing its probe requests "
+            "otherwise than the gateway (the model is routed by its text prefix)",
+            ["model"],
+            registry=r,
+        )
         self.adapter_loads = Counter(
             "prefix_router_lora_adapter_loads",
             "LoRA adapters loaded on a replica at run time (/v1/load_lora_adapter), by outcome",
