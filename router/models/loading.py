@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from router.core.bundled import tokenizer_for_model
+from router.models.tokenizers import class_note
 from router.prompt import Renderer
 
 log = logging.getLogger("prefix_router")
@@ -61,8 +62,12 @@ def load_renderer(
 
         # Local files only: the request path must never wait on a model hub, and offline a
         # hub lookup only retries for half a minute before failing anyway.
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        note = None if tokenizer_for_model(tokenizer or reported_model) else class_note(name, tok)
+        if note is not None:
+            log.warning("%s", note)
         return Renderer(
-            AutoTokenizer.from_pretrained(name, local_files_only=True),
+            tok,
             vocab_size=_model_vocab_size(name),
             max_prompt_chars=max_prompt_chars,
         )

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.core.bundled import tokenizer_for_model
+from router.core.bundled import tokenizer_dir, tokenizer_for_model
 from router.prompt import Renderer
+
+log = logging.getLogger("prefix_router")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HOW_TO_GIVE = (
@@ -167,6 +170,30 @@ def model_vocab_size(path: str) -> int:
     return 2**32 - 1
 
 
+# The classes that encode with tokenizer.json as it is: what a config.json cannot change.
+_AS_FILED = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def class_note(path: str, tokenizer: Any) -> str | None:
+    """One line when ``path`` is a tokenizer folder without ``config.json`` and transformers
+    chose a class of its own (e.g. LlamaTokenizer) from tokenizer_config.json: with the
+    model's config.json, which vLLM always loads, the model type can choose another
+    (transformers forces TokenizersBackend for phi3 and others), and the ids differ."""
+    d = Path(path).expanduser()
+    if not d.is_dir() or (d / "config.json").is_file():
+        return None
+    if d.resolve() == tokenizer_dir().resolve():  # the bundled Qwen3 files: checked with vLLM
+        return None
+    name = type(tokenizer).__name__
+    if name in _AS_FILED:
+        return None
+    return (
+        f"tokenizer folder {path} has no config.json, so transformers chose {name} without "
+        "the model's type and cannot know the class vLLM loads (it reads the model "
+        "directory's config.json); copy the model's config.json beside the tokenizer files"
+    )
+
+
 def load(
     found: Found,
     *,
@@ -184,6 +211,9 @@ def load(
     if chat_template:
         template = Path(chat_template).expanduser().read_text()
     tok = AutoTokenizer.from_pretrained(found.path, local_files_only=True)
+    note = class_note(found.path, tok) if found.origin != "bundled" else None
+    if note is not None:
+        log.warning("%s", note)
     del max_model_len  # the replicas enforce the context; the gateway checks it per model
     return Renderer(
         tok,
