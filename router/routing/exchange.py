@@ -33,6 +33,7 @@ from router.disagg.watch import PdWatch
 from router.fleet.replicas import Fleet
 from router.flow.ticket import Ticket
 from router.intake.routed_request import Endpoint, RoutedRequest
+from router.routing import generated
 from router.routing.accounting import Attempt, charge, prefilled, release
 from router.routing.forwarder import Retries, idle_among, queued_everywhere
 from router.routing.plan import Leg
@@ -260,6 +261,7 @@ class Exchange(Generic[A]):
             STREAM_ERROR_SHAPES[rr.endpoint],
             owner.fleet().first_byte_timeout(leg.replica, rr.stream, tokens),
             PULL_RETRY if pulls_from is not None else RETRYABLE_STATUS,
+            generated.wanted(rr),
         )
         self.attempt = attempt
         outcome: Outcome | None = None

@@ -8,9 +8,10 @@ prompt is complete.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from router.config import Config
 from router.fleet import cache_loss
@@ -19,6 +20,7 @@ from router.fleet.wiring import FleetWiring
 from router.intake.parse import skips_cache_read
 from router.intake.routed_request import RoutedRequest
 from router.models.upkeep import ModelUpkeep, Spawn
+from router.routing import generated
 from router.schedule import Decision
 from router.schedule.observed import is_wait_sample
 from router.telemetry.metrics import Metrics
@@ -54,6 +56,31 @@ class Learner:
         self.spawn = spawn
         self._lost: dict[str, LostCache] = {}  # replica -> evidence its cache was lost
 
+    def _record_generated(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+        """The replica cached the answer's full blocks too (router/routing/generated.py)."""
+        if not outcome.answer:
+            return
+        if self.wiring.kv_events is not None:
+            # Precise mode: the replicas' events report them (vLLM's BlockStored covers
+            # generated blocks), and a record there is a placement whose events are awaited.
+            outcome.answer = b""
+            return
+        answer, outcome.answer = outcome.answer, b""  # not held past this
+        args = (rr, outcome.status, answer, outcome.completion_tokens)
+        if len(answer) <= generated.INLINE_BYTES:
+            self._record_extra(decision.replica, rr, generated.hashes_after(*args))
+        else:  # a long answer: parsed and re-tokenized off the loop, recorded a moment later
+            self.spawn(self._record_generated_later(decision.replica, args))
+
+    async def _record_generated_later(self, replica: str, args: Any) -> None:
+        loop = asyncio.get_running_loop()
+        extra = await loop.run_in_executor(self.upkeep.executor, generated.hashes_after, *args)
+        self._record_extra(replica, args[0], extra)
+
+    def _record_extra(self, replica: str, rr: RoutedRequest, extra: list[int]) -> None:
+        if extra:
+            self.spawn(self.wiring.index.record(replica, [*rr.block_hashes, *extra]))
+
     def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
         """Count the outcome, feed the replica's observed wait, the model's counters and
         drift watch and the observers, and correct the index where the replica reported
@@ -80,6 +107,7 @@ class Learner:
             self.upkeep.learn(rr.model_entry, predicted, outcome.cached_tokens)
         for observer in self.observers:
             observer.observe(rr, decision, outcome)
+        self._record_generated(rr, decision, outcome)
         if outcome.cached_tokens is None:
             return
         reported = outcome.cached_tokens

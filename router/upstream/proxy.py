@@ -117,6 +117,9 @@ class Outcome:
     completion_tokens: int | None
     complete: bool  # the whole upstream body reached the client
     head: bytes = b""  # the answer's first bytes (at most HEAD_BYTES), for observers
+    # The whole answer when the caller asked for it (keep_answer: generated blocks,
+    # router/routing/generated.py); the stream's chunks as relayed, joined after its end.
+    answer: bytes = b""
 
 
 def header_allow_list(auth: bool, forward_headers: Sequence[str]) -> frozenset[str] | None:
@@ -258,6 +261,7 @@ async def proxy(
     headers_timeout: float | None = None,
     method: str = "POST",
     retry_status: frozenset[int] = RETRYABLE_STATUS,
+    keep_answer: bool = False,
 ) -> tuple[web.StreamResponse, Outcome]:
     """Send ``body`` to ``url`` (``method``, POST by default) and relay the answer to ``request``'s client.
 
@@ -287,6 +291,8 @@ async def proxy(
             cached, completion = usage_of(data) if upstream.status == 200 else (None, None)
             resp = web.Response(status=upstream.status, body=data, headers=out_headers)
             outcome = Outcome(upstream.status, first, cached, completion, True, data[:HEAD_BYTES])
+            if keep_answer:
+                outcome.answer = data
             return resp, outcome
 
         # Streaming: relay chunk by chunk; the response is committed at the first chunk.
@@ -303,6 +309,7 @@ async def proxy(
         stream = web.StreamResponse(status=upstream.status, headers=out_headers)
         await stream.prepare(request)
         tail = first_chunk[-16384:]
+        kept: list[bytes] | None = [first_chunk] if keep_answer else None
         complete = False
         try:
             if first_chunk:
@@ -317,6 +324,8 @@ async def proxy(
                     break
                 await stream.write(chunk)
                 tail = (tail + chunk)[-16384:]
+                if kept is not None:
+                    kept.append(chunk)
             if complete:
                 await stream.write_eof()
             else:
@@ -327,7 +336,10 @@ async def proxy(
             upstream.close()  # drop the connection so the engine aborts the request
         cached, completion = usage_of(tail) if upstream.status == 200 else (None, None)
         head = first_chunk[:HEAD_BYTES]
-        return stream, Outcome(upstream.status, first, cached, completion, complete, head)
+        outcome = Outcome(upstream.status, first, cached, completion, complete, head)
+        if kept is not None and complete:
+            outcome.answer = b"".join(kept)
+        return stream, outcome
     except BaseException:
         upstream.close()  # cancelled (client gone) or failed: never reuse a half-read socket
         raise

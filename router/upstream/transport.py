@@ -52,6 +52,7 @@ class Wire:
     # Answers not relayed but retried (a decode leg's 500: its KV pull failed, vLLM's
     # kv_load_failure_policy "fail")
     retry_status: frozenset[int] = RETRYABLE_STATUS
+    keep_answer: bool = False  # Outcome.answer: the whole answer (generated blocks)
 
 
 class Transport(Protocol, Generic[Answer_co]):
@@ -84,6 +85,7 @@ class Relay:
             headers_timeout=wire.headers_timeout,
             method=wire.method,
             retry_status=wire.retry_status,
+            keep_answer=wire.keep_answer,
         )
         report.first_byte()  # a whole (non-streamed) answer: its first byte came with the rest
         return resp, outcome
