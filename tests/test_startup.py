@@ -62,12 +62,14 @@ async def test_summary_says_what_is_on(fleet, gateway, caplog) -> None:  # type:
         "fleet",
         "KV",
         "auth",
+        "flow",
     }
     assert "1 (1 healthy)" in settings["replicas"]
     assert "Qwen/Qwen3-0.6B" in settings["models"]
     assert "16 (--block-size)" in settings["block"]
     assert "ttft" in settings["policy"]
     assert "off" in settings["fleet"] and "off" in settings["KV"] and "off" in settings["auth"]
+    assert "off (default: one tenant" in settings["flow"]  # no auth, no tenant header
     ready = [m for m in messages(caplog) if m.startswith("gateway ready")]
     assert len(ready) == 1 and block in messages(caplog)[: messages(caplog).index(ready[0])]
 
@@ -162,3 +164,15 @@ async def test_waiting_for_a_model_is_said_at_once_with_the_reason(caplog) -> No
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
+
+
+async def test_summary_says_flow_control_is_on_by_default_with_tenants(  # type: ignore[no-untyped-def]
+    fleet, gateway, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_router")
+    (replica,) = await fleet(1)
+    gw = await gateway([replica.url], tenant_header="X-Tenant")
+    (block,) = [m for m in messages(caplog) if "listening on" in m]
+    (flow,) = [line for line in block.splitlines() if line.split()[0] == "flow"]
+    assert "on (default)" in flow and "2048 uncached prompt tokens for a tenant alone" in flow
+    assert gw.gateway.path.flow.config.enabled

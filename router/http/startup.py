@@ -93,8 +93,8 @@ def _flow(gw: Gateway) -> str:
     t = gw.path.flow.config.thresholds
     return (
         f"on ({chosen}): fair queuing per tenant while replicas are full, "
-        f"{t.prefill_per_replica:g} request in prefill per replica while tenants contend, "
-        f"up to {t.step_tokens} tokens for a tenant alone"
+        f"{t.prefill_per_replica:g} in prefill per replica while tenants contend, up to "
+        f"{t.step_tokens} uncached prompt tokens for a tenant alone"
     )
 
 
