@@ -402,9 +402,10 @@ async def test_rate_limits_answer_429_with_the_standard_headers(fleet, gateway) 
     assert "x-ratelimit-limit-requests" not in hf  # a tenant without limits
 
 
-async def test_two_gateways_on_one_redis_share_a_tenants_usage(
-    fleet, gateway, redis_server
-) -> None:
+async def two_gateways_on_redis(
+    fleet: Any, gateway: Any, redis_server: Any
+) -> tuple[Any, Any, Any]:
+    """One replica and two gateways with flow control sharing tenants' usage through Redis."""
     (replica,) = await fleet(1)
     common: dict[str, Any] = dict(
         flow_control=True,
@@ -412,8 +413,13 @@ async def test_two_gateways_on_one_redis_share_a_tenants_usage(
         redis_url=redis_server.url,
         sync_interval_s=0.05,
     )
-    g1 = await gateway([replica.url], **common)
-    g2 = await gateway([replica.url], **common)
+    return replica, await gateway([replica.url], **common), await gateway([replica.url], **common)
+
+
+async def test_two_gateways_on_one_redis_share_a_tenants_usage(
+    fleet, gateway, redis_server
+) -> None:
+    replica, g1, g2 = await two_gateways_on_redis(fleet, gateway, redis_server)
     async with aiohttp.ClientSession() as http:
         # a works through the first gateway while the fleet has room
         for i in range(4):
@@ -442,15 +448,7 @@ async def test_a_tenant_alone_here_but_not_on_another_gateway_is_served_fairly(
     """b is the only tenant the second gateway sees, but a works through the first: the
     tenants contend fleet-wide, so the second gateway's gate is the fair one (b's second
     request waits while its first holds the replica's slot), not a tenant alone's."""
-    (replica,) = await fleet(1)
-    common: dict[str, Any] = dict(
-        flow_control=True,
-        tenant_header="X-Tenant",
-        redis_url=redis_server.url,
-        sync_interval_s=0.05,
-    )
-    g1 = await gateway([replica.url], **common)
-    g2 = await gateway([replica.url], **common)
+    replica, g1, g2 = await two_gateways_on_redis(fleet, gateway, redis_server)
     async with aiohttp.ClientSession() as http:
         status, _, _ = await post(http, g1.url + "/v1/chat/completions", body(0), {"X-Tenant": "a"})
         assert status == 200
@@ -556,15 +554,15 @@ async def test_a_tenant_alone_past_its_queue_timeout_goes_to_the_replica_not_a_4
         )
     )
 
-    async def at_replica(n: int) -> Callable[[], Awaitable[bool]]:
+    def at_replica(n: int) -> Callable[[], Awaitable[bool]]:
         async def check() -> bool:
             return setup.replica.hanging == n
 
         return check
 
-    await wait_for(await at_replica(1), what="the long prompt at the replica")
+    await wait_for(at_replica(1), what="the long prompt at the replica")
     second = await setup.enqueue("i1", "impatient", 1)  # waits: the replica's step is full
-    await wait_for(await at_replica(2), what="the timed-out request sent on, not refused")
+    await wait_for(at_replica(2), what="the timed-out request sent on, not refused")
     assert not second.done()
     for task in (first, second):
         task.cancel()
