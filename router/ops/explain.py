@@ -25,7 +25,7 @@ from router.http.handlers import Handlers, admin_key_ok
 from router.intake.budget import in_networks
 from router.intake.routed_request import Endpoint, RoutedRequest
 from router.ops.command_line import HelpFormatter, OneLineParser
-from router.ops.offline import check_flags, model_of, offline_gateway, read_lines
+from router.ops.offline import open_offline
 from router.routing.plan import Plan
 from router.schedule import Decision
 
@@ -260,16 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--all-hashes", action="store_true", help=f"every block hash, not the first {SHOWN_HASHES}"
     )
     a = p.parse_args(argv)
-    try:
-        check_flags(a.tokenizer, a.block_size, a.config)
-        model, lines = (
-            model_of(read_lines(a.file)) if not a.tokenizer else (None, read_lines(a.file))
-        )
-        gateway = offline_gateway(a.tokenizer, a.block_size, a.config, model)
-    except ConfigError as e:
-        print(f"prefix-router explain: {e}", file=sys.stderr)
+    opened = open_offline("explain", a)
+    if opened is None:
         return 2
-    print(f"prefix-router explain: tokenizer {gateway.tokenizer_source}", file=sys.stderr)
+    gateway, lines = opened
     headers = {"Authorization": f"Bearer {a.tenant_key}"} if a.tenant_key else {}
     try:
         failures = asyncio.run(_explain_lines(gateway, lines, headers, a.all_hashes))

@@ -65,6 +65,23 @@ def model_of(lines: Iterator[str]) -> tuple[str | None, Iterator[str]]:
     return found, itertools.chain(seen, lines)
 
 
+def open_offline(command: str, a: argparse.Namespace) -> tuple[Gateway, Iterator[str]] | None:
+    """``prefix-router COMMAND``'s offline gateway and its input's lines, from its flags
+    (``tokenizer``, ``block_size``, ``config``, ``file``), the tokenizer it chose said on
+    stderr; None once it has said on stderr why it cannot start (exit 2)."""
+    try:
+        check_flags(a.tokenizer, a.block_size, a.config)
+        model, lines = (
+            model_of(read_lines(a.file)) if not a.tokenizer else (None, read_lines(a.file))
+        )
+        gateway = offline_gateway(a.tokenizer, a.block_size, a.config, model)
+    except ConfigError as e:
+        print(f"prefix-router {command}: {e}", file=sys.stderr)
+        return None
+    print(f"prefix-router {command}: tokenizer {gateway.tokenizer_source}", file=sys.stderr)
+    return gateway, lines
+
+
 def offline_gateway(
     tokenizer: str | None, block_size: int, config_file: str | None, model: str | None = None
 ) -> Gateway:

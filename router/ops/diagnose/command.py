@@ -17,7 +17,7 @@ from router.ops.diagnose.analysis import Sample, tool_names
 from router.ops.diagnose.render import render_text
 from router.ops.diagnose.window import analyze
 from router.ops.explain import endpoint_of
-from router.ops.offline import check_flags, model_of, offline_gateway, read_lines
+from router.ops.offline import open_offline
 
 
 def _field(body: Mapping[str, Any], path: str) -> str | None:
@@ -54,17 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redact", action="store_true", help="positions and counts only, no text")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
-
-    try:
-        check_flags(a.tokenizer, a.block_size, a.config)
-        model, stream = (
-            model_of(read_lines(a.file)) if not a.tokenizer else (None, read_lines(a.file))
-        )
-        gateway = offline_gateway(a.tokenizer, a.block_size, a.config, model)
-    except ConfigError as e:
-        print(f"prefix-router diagnose: {e}", file=sys.stderr)
+    opened = open_offline("diagnose", a)
+    if opened is None:
         return 2
-    print(f"prefix-router diagnose: tokenizer {gateway.tokenizer_source}", file=sys.stderr)
+    gateway, stream = opened
 
     samples: list[Sample] = []
     skipped: list[str] = []
