@@ -174,6 +174,7 @@ def _sample(name: str) -> tuple[object, str]:
         "outlier_error_ratio": 0.25,
         "client_share": 0.5,
         "flow_kv_usage_max": 0.5,
+        "kv_events_offload_weight": 0.25,
         "max_ejected_percent": 25.0,
         "max_inflight_body_bytes": 2**30,
         "tokenizer": "/nonexistent/tokenizer",

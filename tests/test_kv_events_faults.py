@@ -187,8 +187,8 @@ async def test_token_ids_outside_the_vocabulary_are_refused_before_anything_is_p
 
 async def test_offloaded_blocks_and_other_kv_cache_groups_are_kept_apart():
     """A CPU offload tier publishes its own stores and removals, a hybrid model's other KV
-    cache groups theirs: only GPU blocks of group 0 count as held, and a removal elsewhere
-    does not uncount them."""
+    cache groups theirs: only GPU blocks of group 0 count as held (the tier's are kept apart,
+    tests/test_kv_events_tiers.py), and a removal elsewhere does not uncount them."""
     fake = FakePublisher()
     index = MemoryIndex()
     url = "http://replica"
@@ -216,7 +216,8 @@ async def test_offloaded_blocks_and_other_kv_cache_groups_are_kept_apart():
         for seq, payload in enumerate(frames):
             await fake.send(b"", seq.to_bytes(8, "big"), payload)
         await sub.wait(lambda: stream.last_applied == len(frames) - 1)
-        assert index.blocks(url) == gpu and stream.other_tier_blocks == 4
+        assert index.blocks(url) == gpu and stream.other_tier_blocks == 1
+        assert stream.tiers.sizes() == {"CPU": 1}
         await fake.send(
             b"",
             len(frames).to_bytes(8, "big"),

@@ -86,6 +86,20 @@ def build_parser(prog: str = "prefix-router replica") -> argparse.ArgumentParser
         help="KV blocks in the pool; free cached blocks are evicted LRU",
     )
     p.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        default=d["cpu_offload_blocks"].default,
+        help="blocks of vLLM's CPU offload tier (OffloadingConnector; 0: none): prompt blocks "
+        "are copied there, evicted LRU, loaded back after the GPU's hit, with KV events "
+        "of medium CPU",
+    )
+    p.add_argument(
+        "--cpu-load-cost",
+        type=float,
+        default=d["cpu_load_cost"].default,
+        help="time to load one token from the CPU tier, in computed prompt tokens",
+    )
+    p.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         default=d["prefill_tokens_per_s"].default,
@@ -253,6 +267,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         chat_template=args.chat_template,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
+        cpu_offload_blocks=args.cpu_offload_blocks,
+        cpu_load_cost=args.cpu_load_cost,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s,
         decode_cost_tokens=args.decode_cost_tokens,

@@ -21,6 +21,10 @@ class SimConfig:
     chat_template: str | None = None
     block_size: int = 16
     num_gpu_blocks: int = 4096  # finite pool, LRU eviction of free cached blocks
+    # vLLM's OffloadingConnector with a CPU tier of this many blocks (0: none;
+    # loadtest/sim/offload.py), and a loaded token's time in computed prompt tokens.
+    cpu_offload_blocks: int = 0
+    cpu_load_cost: float = 0.2
     prefill_tokens_per_s: float = 200_000.0  # uncached prompt tokens/s, one FIFO per replica
     decode_tokens_per_s: float = 2_000.0  # per running sequence
     # Replica time one output token takes from prefill, in prefill tokens (vLLM batches decode
@@ -100,7 +104,10 @@ class SimConfig:
             )
         if self.kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError("SimConfig.kv_load_failure_policy must be 'fail' or 'recompute'")
-        for name in ("kv_lease_s", "kv_handshake_s", "kv_block_transfer_s"):
+        v = self.cpu_offload_blocks
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"SimConfig.cpu_offload_blocks must be >= 0, got {v!r}")
+        for name in ("kv_lease_s", "kv_handshake_s", "kv_block_transfer_s", "cpu_load_cost"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
                 raise ValueError(f"SimConfig.{name} must be >= 0, got {v!r}")

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from loadtest.sim.kvcache import Block, BlockPool, extend_hashes
 from loadtest.sim.metrics import SimMetrics
+from loadtest.sim.offload import CpuTier
 
 WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
 
@@ -181,6 +182,8 @@ class Engine:
         on_kv_events: Callable[[list[dict[str, Any]]], None] | None = None,
         lora_ids: dict[str, int] | None = None,
         transfer: KVTransfer | None = None,
+        cpu_offload_blocks: int = 0,
+        cpu_load_cost: float = 0.2,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -188,6 +191,13 @@ class Engine:
             raise ValueError("token rates must be positive")
         self.block_size = block_size
         self.pool = BlockPool(num_gpu_blocks, events=on_kv_events is not None)
+        # vLLM's OffloadingConnector to CPU memory (loadtest/sim/offload.py), when sized.
+        self.offload = (
+            CpuTier(cpu_offload_blocks, events=on_kv_events is not None)
+            if cpu_offload_blocks
+            else None
+        )
+        self.cpu_load_cost = cpu_load_cost  # a loaded token's time, in computed tokens
         # KV cache events go out once per engine step, as vLLM's scheduler publishes them.
         self.on_kv_events = on_kv_events
         self.lora_ids = lora_ids or {}
@@ -309,6 +319,8 @@ class Engine:
     def _publish(self) -> None:
         if self.on_kv_events is not None:
             events = self.pool.take_events()
+            if self.offload is not None:  # the connector's, after the engine's own
+                events += self.offload.take_events()
             if events:
                 self.on_kv_events(events)
 
@@ -402,10 +414,24 @@ class Engine:
             s.reserved = need_total - need_now
             self.reserved += s.reserved
             s.num_registered = len(hit)
+            loaded = 0  # blocks after the GPU's run loaded from the CPU tier
+            if self.offload is not None and not s.meta.get("skip_cache_read"):
+                loaded = self.offload.lookup(s.hashes, len(hit), p // bs)
             self._register(s, p // bs)
             cached = len(hit) * bs
-            s.num_cached_tokens = cached
-            ready, compute = t, p - cached
+            s.num_cached_tokens = cached + loaded * bs
+            ready, compute = t, p - cached - loaded * bs
+            if self.offload is not None:
+                # vLLM's connector counts every request's lookup past the GPU's hit.
+                self.offload.store(s.hashes[: p // bs])
+                self.stats["offload_tokens"] += loaded * bs
+                if self.metrics is not None:
+                    self.metrics.external_queries.inc(p - cached)
+                    self.metrics.external_hits.inc(loaded * bs)
+                if loaded:
+                    compute = max(compute, 1)  # the last prompt token, whatever was loaded
+                    if not self.instant:
+                        ready += loaded * bs * self.cpu_load_cost / self.prefill_rate
             if s.remote_engine is not None and self.transfer is not None and compute > 0:
                 # A decode leg: the blocks it lacks come over its link from the prefill
                 # engine; it computes only the last prompt token itself (vLLM's scheduler
@@ -571,6 +597,7 @@ def new_stats(max_records: int = 100_000) -> dict[str, Any]:
         "injected_failures": 0,
         "errors": 0,
         "external_tokens": 0,  # prompt tokens decode legs pulled from prefill replicas
+        "offload_tokens": 0,  # prompt tokens loaded from the CPU offload tier
         "pulled_blocks": 0,
         "kv_corrupt_reads": 0,  # pulls of blocks their prefill replica no longer pinned
         "kv_load_failures": 0,  # pulls that failed (prefill side unreachable)

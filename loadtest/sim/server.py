@@ -88,6 +88,8 @@ class SimReplica:
             on_kv_events=self._publish_kv_events if c.kv_events_endpoint else None,
             lora_ids={name: i + 1 for i, name in enumerate(c.lora_adapters)},
             transfer=Link(c) if c.kv_connector else None,
+            cpu_offload_blocks=c.cpu_offload_blocks,
+            cpu_load_cost=c.cpu_load_cost,
         )
         # A new process: a new NIXL engine id, nothing pinned.
         self.nixl = NixlConnector(c, self.engine, lambda: self.port) if c.kv_connector else None

@@ -156,6 +156,11 @@ def problems(config: Config) -> list[str]:
         problems.append(
             f"redis_refresh_blocks must be >= 0 (0: every block), got {config.fleet.redis_refresh_blocks}"
         )
+    if not 0.0 <= config.kv_events.kv_events_offload_weight <= 1.0:
+        problems.append(
+            "kv_events_offload_weight must be 0..1 (a GPU block is 1), got "
+            f"{config.kv_events.kv_events_offload_weight}"
+        )
     if config.kv_events.kv_events_timeout_s <= 0:
         problems.append(
             f"kv_events_timeout_s must be positive, got {config.kv_events.kv_events_timeout_s}"

@@ -302,6 +302,11 @@ class KvEvents:
         "a replica that sends no event this long after being sent new blocks is routed on "
         "the approximate model until its events resume",
     )
+    kv_events_offload_weight: float = _opt(
+        0.8,
+        "what a block only a replica's offload tier (medium CPU, STORAGE) holds is worth next "
+        "to a GPU block, 0..1: vLLM loads it over the host link instead of computing it",
+    )
 
 
 @dataclass

@@ -100,11 +100,13 @@ class Replica:
         """The base model it serves (the first name, when it serves one under several)."""
         return min((m for m, parent in self.models.items() if parent is None), default=None)
 
-    def candidate(self, matched_blocks: int) -> Candidate:
+    def candidate(
+        self, matched_blocks: int, offloaded_blocks: int = 0, offload_weight: float = 1.0
+    ) -> Candidate:
         stats = self.stats
         # Positional, in Candidate's field order: keywords cost a dict per call (4 per
         # decision). url, matched_blocks, inflight, pending_prefill_tokens, waiting,
-        # running, kv_usage, ttft_s.
+        # running, kv_usage, ttft_s, offloaded_blocks, offload_weight.
         return Candidate(
             self.url,
             matched_blocks,
@@ -114,6 +116,8 @@ class Replica:
             stats.running,
             stats.kv_usage,
             self.ttft.get(),
+            offloaded_blocks,
+            offload_weight,
         )
 
 

@@ -8,11 +8,12 @@ block 0's extra keys and the adapter from ``lora_name``: so salted and LoRA bloc
 exactly as on the replica. Stored blocks are recorded, removed ones forgotten, and
 ``AllBlocksCleared`` drops the replica. A hash may be held by several physical blocks (two
 requests computing the same prefix at once): each store counts, each removal uncounts, and the
-block leaves the index when no holder is left. Only the GPU tier (``medium`` "GPU") of KV cache
-group 0 counts: an offload tier's and a hybrid model's other groups' events are kept apart
-(``holders``).
+block leaves the index when no holder is left. The GPU tier (``medium`` "GPU") of KV cache
+group 0 makes the index; an offload tier's blocks (CPU, storage) are kept beside it and extend
+a replica's match (``tiers``); a hybrid model's other groups are set aside (``holders``).
 
-Who does what: ``streams`` (one replica's stream state), ``position`` (sequence, replay,
+Who does what: ``streams`` (one replica's stream state), ``tiers`` (offload tiers),
+``position`` (sequence, replay,
 restarts), ``replay`` (the replay socket), ``apply`` (events -> index writes, resets,
 rebuilds), ``checks`` and ``placements`` (the gateway's own records, checked against the
 events), ``takeover`` and ``ownership`` (fleet mode), ``subscriber`` (sockets, liveness, and

@@ -18,6 +18,7 @@ from router.index.base import PrefixIndex, SharedIndex
 from router.index.resilient import ResilientIndex
 from router.kv_events.holders import counts
 from router.kv_events.streams import Op, Stream
+from router.kv_events.tiers import MAX_TIER_BLOCKS, offload_tier
 from router.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -112,6 +113,9 @@ class Applier:
                     self._removed(stream, event, ops)
                 elif isinstance(event, AllBlocksCleared):
                     stream.holders.clear()
+                    # The offload tier may or may not have been reset with it (vLLM's
+                    # reset_connector; its reset publishes nothing): doubt forgets.
+                    stream.tiers.clear()
                     stream.placements.clear()  # the entry is dropped: nothing to retract
                     stream.resets += 1
                     ops.clear()  # nothing before the clear survives it
@@ -147,6 +151,7 @@ class Applier:
         log.info("KV events for %s: %s; dropping its index entries", stream.url, why)
         stream.resets += 1
         stream.holders.clear()
+        stream.tiers.clear()
         stream.placements.clear()  # the entry is dropped: nothing of theirs to retract
         await self.write(stream, ("drop", []))
         if stream.capacity is not None:
@@ -170,7 +175,10 @@ class Applier:
     # -- events ---------------------------------------------------------------------------
     def _stored(self, stream: Stream, ev: BlockStored, ops: list[Op]) -> None:
         if not counts(ev.medium, ev.group_idx):
-            stream.other_tier_blocks += len(ev.block_hashes)
+            if offload_tier(ev.medium, ev.group_idx):
+                self._offloaded(stream, ev)
+            else:
+                stream.other_tier_blocks += len(ev.block_hashes)
             return
         if ev.block_size != self._block_size(stream.url):
             self.count(stream, "block_size", 1)
@@ -188,8 +196,34 @@ class Applier:
         holders.store(ev.block_hashes, gws)
         ops.append(("record", gws))
 
+    def _offloaded(self, stream: Stream, ev: BlockStored) -> None:
+        """An offload tier's copies (router/kv_events/tiers.py): each vLLM hash mapped to the
+        gateway's through the GPU's mapping, or the chain from a known parent."""
+        tiers, holders, n = stream.tiers, stream.holders, len(ev.block_hashes)
+        if len(tiers) + n > MAX_TIER_BLOCKS:
+            self.count(stream, "tier_full", n)
+            return
+        gws: list[int | None] = []
+        for vh in ev.block_hashes:
+            gh = holders.parent(vh)
+            gws.append(tiers.parent(vh) if gh is None else gh)
+        if None in gws and ev.parent_block_hash is not None and ev.block_size:
+            parent = holders.parent(ev.parent_block_hash)
+            if parent is None:
+                parent = tiers.parent(ev.parent_block_hash)
+            if parent is not None and ev.block_size == self._block_size(stream.url):
+                gws = list(blocks.continue_chain(parent, ev.token_ids, ev.block_size))
+        known = [(vh, gh) for vh, gh in zip(ev.block_hashes, gws, strict=True) if gh is not None]
+        if len(known) < n:
+            self.count(stream, "unknown_block", n - len(known))
+        if known:
+            medium = ev.medium or "CPU"  # offload_tier: never GPU here
+            tiers.store(medium, [vh for vh, _ in known], [gh for _, gh in known])
+
     def _removed(self, stream: Stream, ev: BlockRemoved, ops: list[Op]) -> None:
         if not counts(ev.medium, ev.group_idx):
+            if ev.medium is not None and offload_tier(ev.medium, ev.group_idx):
+                stream.tiers.remove(ev.medium, ev.block_hashes)
             return
         gone = stream.holders.remove(ev.block_hashes)
         if gone:

@@ -1,9 +1,9 @@
 """What one replica's events say its GPU holds: vLLM hash -> gateway hash, with the number of
 physical blocks holding each (two requests computing the same prefix at once both store it).
 
-Only the GPU tier of the primary KV cache group counts: an offload tier (``medium`` "CPU",
-...) publishes its own stores and removals, and a hybrid model's other groups (``group_idx``)
-theirs; neither is a prefix-cache hit on the GPU, and a removal there must not uncount a GPU
+Only the GPU tier of the primary KV cache group counts here: an offload tier (``medium``
+"CPU", ...) publishes its own stores and removals (kept in ``router.kv_events.tiers``), and a
+hybrid model's other groups (``group_idx``) theirs; a removal there must not uncount a GPU
 block. Pure bookkeeping: no I/O, no awaits.
 """
 

@@ -3,7 +3,7 @@ writes adjusted to them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from router.index.base import PrefixIndex
@@ -46,6 +46,21 @@ class PreciseIndex:
 
     async def match(self, block_hashes: Sequence[int], replicas: Sequence[str]) -> dict[str, int]:
         return await self.inner.match(block_hashes, replicas)
+
+    def offloaded(self, block_hashes: Sequence[int], matches: Mapping[str, int]) -> dict[str, int]:
+        """For each replica of ``matches`` (its GPU match), the blocks right after that match
+        an offload tier holds: vLLM loads them rather than recomputing them, and reports them
+        in ``cached_tokens`` (router/kv_events/tiers.py). A replica whose stream is down: none
+        (the tier's state is as old as the stream's)."""
+        out = {}
+        streams = self.feed.streams
+        for url, m in matches.items():
+            stream = streams.get(url)
+            if stream is not None and stream.up and stream.tiers:
+                n = stream.tiers.run(block_hashes, m)
+                if n:
+                    out[url] = n
+        return out
 
     async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
         stream = self.feed.streams.get(replica)

@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from router.kv_events.holders import Holders
 from router.kv_events.placements import Placements
+from router.kv_events.tiers import Tiers
 
 OPLOG_BATCHES = 4096  # a takeover further behind than this resyncs instead
 
@@ -82,6 +83,7 @@ class Stream:
     live_seq: int | None = None  # seq of the last message on the SUB socket
     expect_since: float | None = None  # a placement not followed by any event yet
     holders: Holders = field(default_factory=Holders)
+    tiers: Tiers = field(default_factory=Tiers)  # offload tiers' copies (CPU, storage)
     capacity: int | None = None
     # The index may differ from ``holders`` (trimmed by the approximate model's LRU while
     # the stream was down): rebuilt from them once the stream is up again.
@@ -93,7 +95,7 @@ class Stream:
     restarts: int = 0  # new publisher processes noticed (each resynced from its seq 0)
     rebuilds: int = 0
     replays: int = 0
-    other_tier_blocks: int = 0  # blocks stored in an offload tier or another KV cache group
+    other_tier_blocks: int = 0  # blocks stored in another KV cache group (hybrid models)
     errors: dict[str, int] = field(default_factory=dict)
     # Fleet mode (router/kv_events/ownership.py): whether this gateway writes the stream's
     # events to the shared index, who holds its lease, the stamp of the last batch applied
@@ -119,6 +121,7 @@ class Stream:
             "connected": self.connected,
             "seq": self.last_applied,
             "blocks": len(self.holders),
+            "offloaded_blocks": self.tiers.sizes(),
             "resets": self.resets,
             "restarts": self.restarts,
             "unconfirmed_placements": len(self.placements),

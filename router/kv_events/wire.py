@@ -39,10 +39,10 @@ class BlockStored:
     block_hashes: list[Hash]
     parent_block_hash: Hash | None
     token_ids: list[int]
-    block_size: int
+    block_size: int  # 0: an offload tier's placeholder (hashes only, no tokens)
     lora_name: str | None
     extra_keys: list[Any] | None
-    medium: str | None = MEDIUM_GPU  # "GPU", or an offload tier ("CPU", ...); None: GPU
+    medium: str | None = MEDIUM_GPU  # "GPU", or an offload tier ("CPU", "STORAGE"); None: GPU
     group_idx: int | None = None  # the KV cache group (hybrid models have several)
 
     def cache_salt(self) -> str | None:
@@ -207,11 +207,17 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     hashes = _hashes(f.get("block_hashes"))
     parent = f.get("parent_block_hash")
     parent = None if parent is None else _hash(parent)
+    medium = _medium(f.get("medium", MEDIUM_GPU))
     size = f.get("block_size")
-    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= 1 << 16:
-        raise WireError("block_size", repr(size)[:32])
     tokens = f.get("token_ids")
-    if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
+    if medium not in (None, MEDIUM_GPU) and size == 0 and tokens == []:
+        # vLLM's offloading connector without ``self_describing_kv_events`` (the default):
+        # a placeholder naming the offloaded chunk's last hash only (offloading/events.py,
+        # ``_placeholder_stored``: no parent, no tokens, block_size 0).
+        size = 0
+    elif not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= 1 << 16:
+        raise WireError("block_size", repr(size)[:32])
+    elif not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
         raise WireError("token_ids", "not one block of tokens per hash")
     for t in tokens:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
@@ -229,7 +235,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         size,
         lora,
         extra,
-        _medium(f.get("medium", MEDIUM_GPU)),
+        medium,
         _group(f.get("group_idx")),
     )
 

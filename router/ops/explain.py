@@ -96,6 +96,8 @@ def describe(
             "why": decision.why,
             "predicted_cached_blocks": decision.matched_blocks,
             "predicted_cached_tokens": decision.matched_blocks * rr.block_size,
+            # Of those, the blocks the replica loads from an offload tier (precise mode).
+            "predicted_offloaded_blocks": decision.offloaded_blocks,
             "ring_choice": decision.ring_choice,
             "spill_cause": decision.cause,
             "spill_copied_blocks": decision.copied_blocks,
@@ -106,6 +108,13 @@ def describe(
             {
                 "replica": s.url,
                 "matched_blocks": s.matched_blocks,
+                # Where they are: the GPU's leading run, then an offload tier's (scored at
+                # kv_events_offload_weight each: "reuse").
+                "tiers": {
+                    "gpu": s.matched_blocks - s.offloaded_blocks,
+                    "offload": s.offloaded_blocks,
+                },
+                "reuse": s.reuse,
                 "load": s.load,
                 "terms": dict(s.terms),
                 "estimated_cost": s.cost,

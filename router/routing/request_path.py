@@ -35,6 +35,7 @@ from router.flow.sessions import ResponseChains, session_of
 from router.flow.settings import FlowConfig
 from router.intake.routed_request import Endpoint, RoutedRequest
 from router.intake.shapes import BodyLimits
+from router.kv_events.precise_index import PreciseIndex
 from router.models import ModelRegistry
 from router.models.upkeep import ModelUpkeep
 from router.prompt import Renderer
@@ -259,7 +260,7 @@ class RequestPath(Preparation):
         latest = lazy_tail.latest(rr)
         # A decode replica's holdings decide what it pulls, whatever its policy reads.
         indexed = policy.uses_index or role == "decode"
-        matches = await self.wiring.index.match(latest.block_hashes, urls) if indexed else {}
+        matches, tiers = await self._match(latest, urls) if indexed else ({}, {})
         tail = latest.tail
         if tail is not None and tail.full is None:
             on_head = tail.decides(matches)
@@ -267,10 +268,14 @@ class RequestPath(Preparation):
             if not on_head:  # a match reaches the head's end: wait for the rest (exact)
                 latest = await self.complete(latest)
                 if policy.uses_index:
-                    matches = await self.wiring.index.match(latest.block_hashes, urls)
+                    matches, tiers = await self._match(latest, urls)
         if slot is not None and policy.uses_index and not any(matches.values()):
             replicas = [r for r in replicas if r.url == slot] or replicas
-        decision = policy.choose(latest, [r.candidate(matches.get(r.url, 0)) for r in replicas])
+        weight = self.config.kv_events.kv_events_offload_weight
+        decision = policy.choose(
+            latest,
+            [r.candidate(matches.get(r.url, 0), tiers.get(r.url, 0), weight) for r in replicas],
+        )
         if latest.lora is not None:
             self.upkeep.plan_adapter(latest, decision.replica)  # loaded there first
         fleet = self.wiring.opened
@@ -283,6 +288,21 @@ class RequestPath(Preparation):
         prefill = max(0, rr.num_tokens - decision.matched_blocks * rr.block_size)
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         return Plan((Leg(role, replica, decision, prefill),))
+
+    async def _match(
+        self, rr: RoutedRequest, urls: list[str]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Each replica's reusable blocks of ``rr`` (the index's GPU match, then what an
+        offload tier holds right after it, as vLLM would load it and report it in
+        ``cached_tokens``), and of those, the offloaded ones (precise mode only)."""
+        matches = await self.wiring.index.match(rr.block_hashes, urls)
+        index = self.wiring.index
+        if not isinstance(index, PreciseIndex):
+            return matches, {}
+        tiers = index.offloaded(rr.block_hashes, matches)
+        for url, n in tiers.items():
+            matches[url] += n
+        return matches, tiers
 
     async def leg(
         self,

@@ -123,8 +123,10 @@ class Pipeline:
             f = removed.get(c.url)
             held = c.matched_blocks if c.matched_blocks < limit else limit  # cycle.held(c)
             holders += held > 0
+            off, reuse = cycle.tiered(c) if c.offloaded_blocks else (0, held)
             # Positional, in the field order (url, matched_blocks, load, cost, terms,
-            # filtered, filtered_by): keywords cost a dict per candidate.
+            # filtered, filtered_by, offloaded_blocks, reuse): keywords cost a dict per
+            # candidate.
             scored.append(
                 ScoredCandidate(
                     c.url,
@@ -134,6 +136,8 @@ class Pipeline:
                     terms,
                     f.reason if f else None,
                     f.name if f else None,
+                    off,
+                    reuse,
                 )
             )
         pick = self.picker.pick(cycle, scored)
@@ -148,8 +152,8 @@ class Pipeline:
             cause = pick.cause.value if pick.cause is not None else _spill_cause(scored)
             copied = max(s.matched_blocks for s in scored) - chosen.matched_blocks
         # Positional, in the field order (replica, matched_blocks, reason, policy, scores,
-        # ring_choice, why, cause, holders, copied_blocks, prefix_key, uncached_tokens):
-        # twelve keywords cost twice the call.
+        # ring_choice, why, cause, holders, copied_blocks, prefix_key, uncached_tokens,
+        # offloaded_blocks): thirteen keywords cost twice the call.
         return Decision(
             pick.replica,
             chosen.matched_blocks,
@@ -163,6 +167,7 @@ class Pipeline:
             copied,
             routing_key(req),
             max(0, req.num_tokens - chosen.matched_blocks * req.block_size),
+            chosen.offloaded_blocks,
         )
 
 

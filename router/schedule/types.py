@@ -41,6 +41,10 @@ class Candidate:
     running: int = 0  # scraped vllm:num_requests_running
     kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc
     ttft_s: float = 0.0  # time to first byte this gateway observed lately (decayed mean)
+    # Of matched_blocks, those only an offload tier holds (they follow the GPU's run: vLLM
+    # loads them instead of computing them), and what one is worth next to a GPU block.
+    offloaded_blocks: int = 0
+    offload_weight: float = 1.0
 
     @property
     def load(self) -> int:
@@ -61,6 +65,8 @@ class ScoredCandidate:
     terms: Mapping[str, float] = field(default_factory=dict)  # scorer name -> weighted term
     filtered: str | None = None  # why it was not eligible (the filter's reason), if it was not
     filtered_by: str | None = None  # the filter that removed it
+    offloaded_blocks: int = 0  # of matched_blocks, those only an offload tier holds
+    reuse: float = 0.0  # matched_blocks with each offloaded one at its weight: what pickers rank
 
 
 class Branch(enum.Enum):
@@ -101,6 +107,7 @@ class Decision:
     copied_blocks: int = 0  # a spill's blocks new to its replica (each may evict one there)
     prefix_key: int = 0  # the request's ring key (block 0's hash): whose prefix this is
     uncached_tokens: int = 0  # prompt tokens the chosen replica is predicted to prefill
+    offloaded_blocks: int = 0  # of matched_blocks, those the chosen replica loads from a tier
 
     @property
     def terms(self) -> dict[str, dict[str, float]]:
@@ -140,6 +147,14 @@ class Cycle:
     def held(self, c: Candidate) -> int:
         """Blocks ``c`` holds that the request can reuse."""
         return min(c.matched_blocks, self.limit)
+
+    def tiered(self, c: Candidate) -> tuple[int, float]:
+        """Of ``held(c)``, the blocks only an offload tier holds, and the reuse all of them
+        are worth: a GPU block 1, an offloaded one ``c.offload_weight``."""
+        held = c.matched_blocks if c.matched_blocks < self.limit else self.limit
+        gpu = c.matched_blocks - c.offloaded_blocks
+        off = held - gpu if held > gpu else 0
+        return off, held - (1.0 - c.offload_weight) * off
 
 
 class Hook(enum.Enum):

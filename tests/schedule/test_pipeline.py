@@ -42,6 +42,34 @@ def test_terms_and_cost_are_visible_per_candidate():
     assert d.replica == "a" and d.reason == "prefix"
 
 
+@pytest.mark.parametrize("policy", ["ring_spill", "ttft", "sticky_prefix"])
+def test_an_offloaded_prefix_ranks_below_the_gpu_and_above_a_cold_replica(policy: str):
+    """Three replicas hold 8 blocks of a prompt: on the GPU, 6 of them only in CPU memory
+    (weight 0.5: worth 5), none. Each policy ranks them in that order, and the prediction
+    counts every held block (vLLM reports loaded blocks in cached_tokens)."""
+    r = req(160)
+    ring = HashRing(["gpu", "cpu", "cold"])
+    pipeline = registry.build_named(policy, ring, {})
+
+    def fleet(*urls: str) -> list[Candidate]:
+        every = {
+            "gpu": Candidate("gpu", matched_blocks=8),
+            "cpu": Candidate("cpu", matched_blocks=8, offloaded_blocks=6, offload_weight=0.5),
+            "cold": Candidate("cold"),
+        }
+        return [every[u] for u in urls]
+
+    d = pipeline.choose(r, fleet("gpu", "cpu", "cold"))
+    assert d.replica == "gpu" and d.matched_blocks == 8 and d.offloaded_blocks == 0
+    scored = {s.url: s for s in d.scores}
+    assert (scored["cpu"].reuse, scored["cpu"].offloaded_blocks) == (5.0, 6)
+    if "uncached_prefill" in d.terms["cpu"]:
+        assert d.terms["cpu"]["uncached_prefill"] == 160 - 5 * 16
+    d = pipeline.choose(r, fleet("cold", "cpu"))
+    assert d.replica == "cpu" and d.reason == "prefix"
+    assert (d.matched_blocks, d.offloaded_blocks) == (8, 6)
+
+
 def test_filters_record_who_removed_whom_and_relax_last_first():
     p = build(_profile("load_bound", "recent_share"), HashRing(["a", "b", "c"]))
     cands = [Candidate("a", matched_blocks=9, inflight=30), Candidate("b"), Candidate("c")]

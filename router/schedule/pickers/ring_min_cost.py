@@ -57,5 +57,6 @@ class RingMinCost(Picker):
             return Pick(ring_choice, branch, WHY[branch], ring_choice)
         rank = cycle.ring.rank(key)
         chosen = min(eligible, key=lambda s: (s.cost, rank.get(s.url, len(rank)), s.url))
-        branch = Branch.PREFIX if chosen.matched_blocks == best_match else Branch.SPILL
+        most = max(s.reuse for s in scored)  # an offloaded block at its weight
+        branch = Branch.PREFIX if chosen.reuse == most else Branch.SPILL
         return Pick(chosen.url, branch, WHY[branch], ring_choice)
