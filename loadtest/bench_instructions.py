@@ -198,7 +198,8 @@ async def _drive(gw: Any, raw: bytes, i: int) -> None:
         decision = await path.decide(rr)
     path.policy.placed(decision)
     await path.record_placement(rr, decision)
-    path.count_prompt(rr)
+    if hasattr(path, "count_prompt"):  # before the exchange counted the prompt itself
+        path.count_prompt(rr)
     cached = decision.matched_blocks * rr.block_size
     path.learn(rr, decision, Outcome(200, 0.001, cached, 1, True))
     await asyncio.sleep(0)  # anything the request left for the loop

@@ -30,7 +30,8 @@ class Tail:
     finish_inline: Callable[[], Sequence[int]] | None = None
     full: RoutedRequest | None = None  # the request with every id and hash, once known
     taken_back: set[str] = field(default_factory=set)  # replicas a placement was forgotten on
-    on_full: list[Callable[[RoutedRequest], None]] = field(default_factory=list)
+    # Called once ``full`` is known: the exchange that owns the request (its one hook).
+    on_full: Callable[[RoutedRequest], None] | None = None
     _ids: asyncio.Future[Sequence[int]] | None = None
 
     def ids(self) -> asyncio.Future[Sequence[int]]:

@@ -1,6 +1,7 @@
 """The exchange: one routed request's whole life after ``prepare``, in named phases.
 
     admit        flow control's ticket (waits while the fleet is full); the prompt counted
+                 (a lazy head's by ``tail_known``, the one hook on its tail)
     plan         the scheduler's legs (router/routing/plan.py): one ``both`` leg today
     each leg:    account   in flight, pending prefill (router/routing/accounting.py)
                  send      through the transport (router/upstream/transport.py), which reports
@@ -33,7 +34,7 @@ from router.disagg.watch import PdWatch
 from router.fleet.replicas import Fleet
 from router.flow.ticket import Ticket
 from router.intake.routed_request import Endpoint, RoutedRequest
-from router.routing import generated
+from router.routing import generated, lazy_tail
 from router.routing.accounting import Attempt, charge, prefilled, release
 from router.routing.forwarder import Retries, idle_among, queued_everywhere
 from router.routing.plan import Leg
@@ -153,7 +154,13 @@ class Exchange(Generic[A]):
         retries.begin()
         retrying = False  # holds one of the budget's retries until the request ends
         try:
-            path.count_prompt(rr)
+            # admit's other half: the prompt counted (a lazy head's once its tail is known).
+            tail = rr.tail
+            if tail is not None and tail.full is None:
+                tail.on_full = self.tail_known
+            else:
+                prompt = lazy_tail.latest(rr).num_tokens
+                owner.metrics.child(owner.metrics.prompt_tokens, rr.tenant).inc(prompt)
             fleet = owner.fleet()
             while True:
                 # plan: the scheduler's legs, avoiding the replicas that failed; flow
@@ -229,14 +236,6 @@ class Exchange(Generic[A]):
         metrics = owner.metrics
         assert ticket is not None
         attempt = Attempt(leg.replica, leg.decision, leg.prefill_tokens)
-        if (tail := rr.tail) is not None and tail.full is None:
-            # A lazy head counted its tail's estimate: the exact count, once known.
-            matched = leg.decision.matched_blocks
-
-            def exact_count(full: RoutedRequest) -> None:
-                attempt.set_prefill_tokens(max(0, full.num_tokens - matched * full.block_size))
-
-            tail.on_full.append(exact_count)
         # The leg as it goes out: the answer carries the request id, flow control's
         # rate-limit headers and, for operators, the decision.
         extra = {"x-request-id": rr.request_id, **ticket.headers}
@@ -286,6 +285,16 @@ class Exchange(Generic[A]):
                 metrics.client_disconnects.inc()
                 metrics.requests.labels(leg.replica.url, leg.decision.policy, "client_gone").inc()
             self.path.policy.done(leg.decision, outcome.status if outcome else None)
+
+    def tail_known(self, full: RoutedRequest) -> None:
+        """A lazy head's tail is tokenized (router/routing/lazy_tail.py): the prompt counted,
+        and the leg being sent, which counted the tail's estimate, given the exact count."""
+        owner = self.owner
+        owner.metrics.child(owner.metrics.prompt_tokens, full.tenant).inc(full.num_tokens)
+        attempt = self.attempt
+        if attempt is not None and attempt.decision is not None:
+            matched = attempt.decision.matched_blocks
+            attempt.set_prefill_tokens(max(0, full.num_tokens - matched * full.block_size))
 
     # -- the transport's reports (``Report``) ------------------------------------------------
     async def sent(self) -> None:

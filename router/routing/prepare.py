@@ -265,8 +265,8 @@ class Preparation:
             assert rr.model_entry is not None
             hashes = self._hashes(ids, rr.lora, rr.cache_salt, rr.model_entry)
             tail.full = dataclasses.replace(rr, token_ids=ids, block_hashes=hashes, tail_tokens=0)
-            for hook in tail.on_full:
-                hook(tail.full)
+            if tail.on_full is not None:
+                tail.on_full(tail.full)
         return tail.full
 
     def _admit(self, raw: bytes, endpoint: Endpoint, tenant: str) -> _Admitted:

@@ -355,15 +355,6 @@ class RequestPath(Preparation):
         if tail is None or decision.replica not in tail.taken_back:
             await self.wiring.index.record(decision.replica, full.block_hashes)
 
-    def count_prompt(self, rr: RoutedRequest) -> None:
-        """The prompt-tokens metric, with the full count (a lazy head's once it is known)."""
-        tail = rr.tail
-        if tail is not None and tail.full is None:
-            tail.on_full.append(self.count_prompt)
-        else:
-            tokens = lazy_tail.latest(rr).num_tokens
-            self.metrics.child(self.metrics.prompt_tokens, rr.tenant).inc(tokens)
-
     def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
         """Compare the prediction with what the replica reports, and correct the index (a
         lazy head's once its tail is tokenized: observers see the whole prompt)."""

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.intake.routed_request import RoutedRequest
-from router.schedule.keys import routing_key
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import RingSource
 from router.schedule.types import (
@@ -165,7 +164,7 @@ class Pipeline:
             cause,
             holders,
             copied,
-            routing_key(req),
+            cycle.key,
             max(0, req.num_tokens - chosen.matched_blocks * req.block_size),
             chosen.offloaded_blocks,
         )

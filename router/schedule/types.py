@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 from router.core.blocks import cacheable_blocks
 from router.core.record import record
 from router.intake.routed_request import RoutedRequest
+from router.schedule.keys import routing_key
 from router.schedule.recent import RecentCounts
 from router.schedule.ring import HashRing
 
@@ -140,9 +141,11 @@ class Cycle:
     ring: HashRing
     recent: RecentCounts  # requests placed per replica, decayed (the pipeline keeps it)
     limit: int = 0  # cacheable blocks of the prompt
+    key: int = 0  # the request's ring key (``routing_key``), read by several plugins
 
     def __post_init__(self) -> None:
         self.limit = cacheable_blocks(self.req.num_tokens, self.req.block_size)
+        self.key = routing_key(self.req)
 
     def held(self, c: Candidate) -> int:
         """Blocks ``c`` holds that the request can reuse."""

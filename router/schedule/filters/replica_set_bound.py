@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import router.schedule.registry as registry
-from router.schedule.keys import routing_key
 from router.schedule.recent import PrefixRates
 from router.schedule.types import Cycle, Decision, Filter, Hook
 
@@ -52,7 +51,7 @@ class ReplicaSetBound(Filter):
 
     def allowed(self, cycle: Cycle) -> int:
         now = cycle.recent.clock()
-        key = routing_key(cycle.req)
+        key = cycle.key
         share = (self.rates.count(key, now) + 1.0) / (self.rates.total(now) + 1.0)
         return max(1, math.ceil(self.p.factor * share * len(cycle.candidates) - 1e-9))
 

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import router.schedule.registry as registry
-from router.schedule.keys import routing_key
 from router.schedule.types import Cycle, Pick, Picker, ScoredCandidate
 
 
@@ -31,6 +30,6 @@ class RingOwner(Picker):
 
     def pick(self, cycle: Cycle, scored: Sequence[ScoredCandidate]) -> Pick:
         loads = {s.url: s.load for s in scored if s.filtered is None}
-        url = cycle.ring.pick(routing_key(cycle.req), loads.__getitem__, loads, self.c)
+        url = cycle.ring.pick(cycle.key, loads.__getitem__, loads, self.c)
         assert url is not None
         return Pick(url, None, "the prefix's ring owner (bounded loads); the cache is ignored", url)

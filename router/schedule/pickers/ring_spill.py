@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import router.schedule.registry as registry
-from router.schedule.keys import routing_key
 from router.schedule.recent import least_recent
 from router.schedule.types import Branch, Cycle, Pick, Picker, ScoredCandidate, SpillCause
 
@@ -83,7 +82,7 @@ class RingSpill(Picker):
                 eligible[s.url] = s
                 if m > best:
                     best = m
-        order = [u for u in cycle.ring.order(routing_key(cycle.req)) if u in eligible]
+        order = [u for u in cycle.ring.order(cycle.key) if u in eligible]
         if len(order) < len(eligible):
             order += sorted(set(eligible) - set(order))  # not on the ring yet
         pos = {u: i for i, u in enumerate(order)}
