@@ -27,6 +27,9 @@ The record format (``docs/load-testing.md`` has the same, with an example)::
   own that starts from the same system prompt and tools (a new task), whose final answer is
   this turn's tool result. The parent waits for it (closed loop).
 - ``think_s``: seconds between the previous answer and this request (time-scaled on replay).
+- ``api`` (on the session, optional): ``chat`` (OpenAI's chat completions, the default) or
+  ``messages`` (Anthropic's Messages API, sent through the ``anthropic`` SDK as Claude Code
+  sends it: loadtest/anthropic_body.py); the same history either way.
 - ``context_cap_tokens`` (on the session, optional): once the estimated context passes it, the
   agent compacts: the history is replaced by one summary message (a prefix break after the
   system prompt, as real agents' compaction is).
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import filler
+from loadtest.anthropic_body import messages_body
 from loadtest.spec import DEFAULT_MODEL, RequestSpec, Script, Session, Workload
 
 TOKENS_PER_WORD = 1.25  # the filler's words are 1.1-1.3 Qwen3 tokens each
@@ -158,8 +162,11 @@ def _script(
     cap = record.get("context_cap_tokens")
     system = _system(record)
     tool_defs = _tools(kind, int(record.get("tools", 0))) if tools else []
+    api = record.get("api", "chat")
 
     def body(messages: list[dict[str, Any]], max_tokens: int, defs: list[dict[str, Any]]) -> dict:
+        if api == "messages":
+            return messages_body(model, messages, max_tokens, defs)
         out: dict[str, Any] = {
             "model": model,
             "messages": [dict(m) for m in messages],
@@ -172,7 +179,7 @@ def _script(
 
     def request(conv: _Conversation, turn: dict[str, Any], seq: int, meta: dict) -> RequestSpec:
         return RequestSpec(
-            "chat",
+            "messages" if api == "messages" else "chat",
             group=group,
             session=conv.session,
             turn=seq,
@@ -264,13 +271,17 @@ def agentic_records(
     subagent_turns: tuple[int, int] = (2, 5),
     context_cap_tokens: int = 100_000,
     tenant_skew: float = 1.0,
+    messages_share: float = 0.25,
 ) -> list[dict[str, Any]]:
     """Sessions of coding-agent shape, deterministic from ``seed``: Poisson arrivals at
     ``rate``/s; each picks a tenant (Zipf ``tenant_skew``) and an agent kind (one system prompt
     and tool set per kind: the warm prefix its sessions share); ``turns`` turns, each a tool
     call whose result (log-uniform ``tool_result_words``) comes back, an occasional new
     instruction from the person, exponential think times; a turn forks a sub-agent with
-    probability ``subagent_share``."""
+    probability ``subagent_share``. A share ``messages_share`` of the sessions speak Anthropic's
+    Messages API (through its SDK), the others OpenAI's chat completions."""
+    if not 0.0 <= messages_share <= 1.0:
+        raise ValueError("messages_share is a share: from 0 to 1")
     if sessions < 0 or tenants < 1 or not 1 <= kinds <= len(AGENT_KINDS):
         raise ValueError(f"sessions >= 0, tenants >= 1, 1 <= kinds <= {len(AGENT_KINDS)}")
     arrivals = _rng("agentic", seed, "arrivals")
@@ -307,9 +318,12 @@ def agentic_records(
                     "kind": SUBAGENT_KIND,
                     "turns": [turn(rng, k == 0) for k in range(n)],
                 }
+        # Its own draw: the sessions' shapes do not depend on the share.
+        api = "messages" if _rng("agentic", seed, "api", i).random() < messages_share else "chat"
         records.append(
             {
                 "session": f"s{i}",
+                "api": api,
                 "start_s": round(t_now, 3),
                 "tenant": f"tenant{tenant}",
                 "kind": kind,
@@ -362,6 +376,8 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 def check_record(record: Any, where: str) -> None:
     if not isinstance(record, dict) or "session" not in record:
         raise ValueError(f"{where}: a record is an object with a 'session'")
+    if record.get("api", "chat") not in ("chat", "messages"):
+        raise ValueError(f"{where}: 'api' is 'chat' or 'messages'")
     turns = record.get("turns")
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: 'turns' must be a non-empty list")

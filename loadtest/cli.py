@@ -145,6 +145,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         type=float,
         help="agentic: share of turns that fork a sub-agent first (default 0.15)",
     )
+    g.add_argument(
+        "--messages-share",
+        type=float,
+        help="agentic: share of sessions that speak Anthropic's Messages API through the "
+        "anthropic SDK (default 0.25; the others: OpenAI chat completions)",
+    )
     g.add_argument("--num-prefixes", type=int, help="prefix_repetition: prefixes (default 10)")
     g.add_argument("--suffixes-per-prefix", type=int, help="prefix_repetition: default 8")
     g.add_argument("--prefix-len", type=int, help="prefix_repetition: tokens (default 256)")
@@ -324,6 +330,7 @@ def workload_kwargs(args: argparse.Namespace, position: str | None = None) -> di
         put("system_words", args.system_words)
         put("context_cap_tokens", args.context_cap)
         put("subagent_share", args.subagent_share)
+        put("messages_share", args.messages_share)
         put("time_scale", args.time_scale)
     elif name == "sessions":
         put("path", args.sessions)

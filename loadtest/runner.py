@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import random
 import sys
@@ -518,6 +520,123 @@ def _piece(endpoint: str, choice: dict[str, Any], stream: bool) -> str:
     return choice.get("text") or ""
 
 
+def _read_headers(rec: RequestRecord, headers: Any) -> None:
+    """What the gateway says of a request in its response headers."""
+    hdr = headers.get(CACHED_BLOCKS_HEADER)
+    if hdr is not None:
+        with contextlib.suppress(ValueError):
+            rec.predicted_cached_blocks = int(hdr)
+    rec.prefill_replica = headers.get(PREFILL_HEADER)
+    if (queued := headers.get(QUEUED_HEADER)) is not None:
+        with contextlib.suppress(ValueError):
+            rec.queued_ms = float(queued)
+
+
+class MessagesClients:
+    """Anthropic SDK clients, one per base URL, for the requests that speak Messages: the
+    SDK's own HTTP client, retries off (a load generator counts failures, it does not hide
+    them)."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, Any] = {}
+
+    def get(self, url: str) -> Any:
+        client = self._clients.get(url)
+        if client is None:
+            import anthropic  # the loadtest extra's; only a run with Messages sessions needs it
+
+            client = self._clients[url] = anthropic.AsyncAnthropic(
+                base_url=url, api_key="unused", max_retries=0
+            )
+        return client
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+
+def _apply_messages_usage(rec: RequestRecord, usage: Any) -> None:
+    """Anthropic's usage: ``input_tokens`` leaves out the cache read (vLLM's too)."""
+    if usage is None:
+        return
+    cached = getattr(usage, "cache_read_input_tokens", None)
+    if getattr(usage, "input_tokens", None) is not None:
+        rec.prompt_tokens = usage.input_tokens + (cached or 0)
+    if cached is not None:
+        rec.cached_tokens = int(cached)
+    if getattr(usage, "output_tokens", None):
+        rec.completion_tokens = usage.output_tokens
+
+
+def _sdk_kwargs(call: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as keyword arguments of the SDK's ``call``: the fields it does not name (an SDK
+    release may drop one, as 2.x's ``stream`` did ``temperature``) go as ``extra_body``."""
+    named = inspect.signature(call).parameters
+    kwargs = {k: v for k, v in body.items() if k in named}
+    rest = {k: v for k, v in body.items() if k not in named}
+    if rest:
+        kwargs["extra_body"] = rest
+    return kwargs
+
+
+async def _do_messages(
+    clients: MessagesClients,
+    url: str,
+    rec: RequestRecord,
+    body: dict[str, Any],
+    *,
+    stream: bool,
+    timeout_s: float,
+    t0: float,
+) -> Any | None:
+    """``_do_request`` for a Messages request, through Anthropic's SDK as its users send it:
+    streamed with ``messages.stream`` (the first text delta is the first token)."""
+    import anthropic
+
+    client = clients.get(url)
+    extra = dict(rec.spec.headers) if rec.spec else {}
+    call = client.messages.stream if stream else client.messages.with_raw_response.create
+    kwargs = _sdk_kwargs(call, body)
+    now = time.perf_counter
+    rec.sent_s = now() - t0
+    headers = None
+    try:
+        if stream:
+            async with call(**kwargs, extra_headers=extra, timeout=timeout_s) as events:
+                rec.status = events.response.status_code
+                headers = events.response.headers
+                _read_headers(rec, headers)
+                async for text in events.text_stream:
+                    if text and rec.first_token_s is None:
+                        rec.first_token_s = now() - t0
+                final = await events.get_final_message()
+        else:
+            raw = await call(**kwargs, extra_headers=extra, timeout=timeout_s)
+            rec.status, headers = raw.status_code, raw.headers
+            _read_headers(rec, headers)
+            final = raw.parse()
+        rec.end_s = now() - t0
+        _apply_messages_usage(rec, final.usage)
+        rec.answer = "".join(b.text for b in final.content if getattr(b, "type", "") == "text")
+        rec.output_chars = len(rec.answer)
+    except anthropic.APIStatusError as e:
+        rec.status, headers = e.status_code, e.response.headers
+        _read_headers(rec, headers)
+        rec.error = _error_message(e.response.text)
+        rec.end_s = now() - t0
+    except anthropic.APITimeoutError:
+        rec.error = f"timeout: no complete response within {timeout_s} s"
+        rec.end_s = now() - t0
+    except anthropic.APIConnectionError as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        rec.end_s = now() - t0
+    except anthropic.APIError as e:  # an error event inside a stream
+        rec.error = str(e)
+        rec.end_s = now() - t0
+    return headers
+
+
 async def _do_request(
     http: aiohttp.ClientSession,
     url: str,
@@ -550,14 +669,7 @@ async def _do_request(
         ) as resp:
             rec.status = resp.status
             headers = resp.headers
-            hdr = resp.headers.get(CACHED_BLOCKS_HEADER)
-            if hdr is not None:
-                with contextlib.suppress(ValueError):
-                    rec.predicted_cached_blocks = int(hdr)
-            rec.prefill_replica = resp.headers.get(PREFILL_HEADER)
-            if (queued := resp.headers.get(QUEUED_HEADER)) is not None:
-                with contextlib.suppress(ValueError):
-                    rec.queued_ms = float(queued)
+            _read_headers(rec, headers)
             if resp.status != 200:
                 rec.error = _error_message(await resp.text())
             elif not stream:
@@ -690,6 +802,7 @@ async def run_workload(
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         state = _State(t0, t0 + max_seconds, max_requests)
+        sdk = MessagesClients()
         sem = asyncio.Semaphore(concurrency)
         bar = tqdm(
             total=total,
@@ -727,8 +840,13 @@ async def run_workload(
                     state.records.append(rec)
                     body = spec.make_body()
                     url = target.choose(spec)
-                    headers = await _do_request(
-                        http, url, rec, body, stream=stream, timeout_s=request_timeout_s, t0=t0
+                    send = (
+                        functools.partial(_do_messages, sdk)
+                        if spec.endpoint == "messages"
+                        else functools.partial(_do_request, http)
+                    )
+                    headers = await send(
+                        url, rec, body, stream=stream, timeout_s=request_timeout_s, t0=t0
                     )
                     rec.replica = (
                         target.served_by(url, headers)
@@ -775,6 +893,7 @@ async def run_workload(
             for t in tasks:
                 if not t.done():
                     t.cancel()
+            await sdk.aclose()
         for rec in state.records:
             if rec.sent_s is not None and rec.end_s is None and rec.error is None:
                 rec.error = "cancelled: still running at the hard stop"

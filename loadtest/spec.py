@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "messages"]  # messages: Anthropic's API
 
 
 @dataclass
@@ -50,6 +50,10 @@ class RequestSpec:
         if renderer is None:
             raise ValueError("a renderer is needed to tokenize a chat request")
         body = self.make_body()
+        if self.endpoint == "messages":  # rendered as the gateway and vLLM render it: as chat
+            from router.api.anthropic import to_chat
+
+            return list(renderer.tokenize_chat(to_chat(body)))
         if self.endpoint == "chat":
             return list(renderer.tokenize_chat(body))
         return list(renderer.tokenize_completion(body["prompt"]))

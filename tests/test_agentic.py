@@ -15,7 +15,7 @@ from loadtest import agentic as ag
 from loadtest import workloads as wl
 from loadtest.replica import SimConfig, run_replicas
 from loadtest.report import ttft_by
-from loadtest.runner import ClientTarget, run_workload
+from loadtest.runner import ClientTarget, default_renderer, run_workload
 from loadtest.spec import RequestSpec
 
 TRACE = Path(__file__).resolve().parents[1] / "loadtest" / "data"
@@ -27,7 +27,9 @@ def answer(spec: RequestSpec) -> str:
 
 
 def small(**kw: Any) -> wl.Workload:
-    base: dict[str, Any] = dict(sessions=6, turns=(3, 6), system_words=300, subagent_share=0.4)
+    base: dict[str, Any] = dict(
+        sessions=6, turns=(3, 6), system_words=300, subagent_share=0.4, messages_share=0.0
+    )
     return wl.build("agentic", **{**base, **kw})
 
 
@@ -184,3 +186,59 @@ async def test_closed_loop_a_turn_waits_for_the_previous_answer_and_its_think_ti
         rows = [line.split(" | ") for line in table.splitlines()[2:]]
         assert sum(int(row[2]) for row in rows) == res.ok
     assert by_turn.splitlines()[2].split(" | ")[1] == "0" and "| 1-3 |" in by_turn
+
+
+def test_messages_sessions_send_the_same_history_through_anthropics_api() -> None:
+    """A share of the sessions speak Messages; each such body is the very conversation its
+    chat twin sends (the same sessions drawn with the share at 0), so the gateway and vLLM
+    render it to the same tokens, and the sessions' shapes do not depend on the share."""
+    from router.api.anthropic import to_chat
+
+    mixed = ag.iter_specs(small(seed=2, sessions=12, messages_share=0.5), answer)
+    plain = ag.iter_specs(small(seed=2, sessions=12), answer)
+    renderer = default_renderer()
+    apis = set()
+    for m, c in zip(mixed, plain, strict=True):
+        assert (m.session, m.turn, m.delay_s) == (c.session, c.turn, c.delay_s)
+        apis.add(m.endpoint)
+        if m.endpoint == "chat":
+            assert m.body == c.body
+            continue
+        assert m.endpoint == "messages" and "system" in m.body and "tools" in m.body
+        assert all(msg["role"] in ("user", "assistant") for msg in m.body["messages"])
+        assert renderer.tokenize_chat(to_chat(m.body)) == renderer.tokenize_chat(c.body)
+        assert m.prompt_token_ids(renderer) == c.prompt_token_ids(renderer)
+    assert apis == {"chat", "messages"}
+    with pytest.raises(ValueError):
+        ag.agentic_records(messages_share=1.5)
+
+
+async def test_messages_sessions_run_closed_loop_through_the_anthropic_sdk() -> None:
+    """Messages sessions go through the official SDK, streamed: each answer is read from the
+    stream and comes back in the next turn's body, the first text delta timed, the replica's
+    cache read counted."""
+    workload = small(seed=6, sessions=3, messages_share=1.0, subagent_share=0.0, rate=50.0)
+    fast = SimConfig(prefill_tokens_per_s=2_000_000.0, decode_tokens_per_s=20_000.0)
+    async with run_replicas(1, fast) as reps:
+        res = await run_workload(
+            ClientTarget([r.url for r in reps], "round_robin"),
+            workload,
+            concurrency=4,
+            max_seconds=60,
+            request_timeout_s=20,
+            progress=False,
+            compute_ideal=False,
+        )
+    assert res.ok == res.sent == workload.planned_requests
+    assert {r.endpoint for r in res.records} == {"messages"}
+    by_session: dict[str, list[Any]] = defaultdict(list)
+    for r in res.records:
+        assert r.ttft_s is not None and 0 < r.ttft_s <= r.latency_s
+        assert r.answer and r.completion_tokens and r.prompt_tokens
+        by_session[r.session].append(r)
+    for records in by_session.values():
+        records.sort(key=lambda r: r.turn)
+        for before, after in zip(records, records[1:], strict=False):
+            sent = json.dumps(after.spec.body["messages"])
+            assert json.dumps(before.answer)[1:-1] in sent  # the answer came back
+            assert after.cached_tokens and after.cached_tokens > 0  # its history was cached
