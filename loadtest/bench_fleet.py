@@ -307,6 +307,10 @@ def gateway_flags(a: argparse.Namespace, redis_url: str | None, prefix: str) -> 
             str(a.sync_interval_s),
             "--redis-timeout-ms",
             str(a.redis_timeout_ms),
+            "--redis-layout",
+            a.redis_layout,
+            "--redis-flush-ms",
+            str(a.redis_flush_ms),
         ]
     return flags
 
@@ -631,6 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="use this Redis instead of spawning redis-server")
     p.add_argument("--sync-interval-s", type=float, default=0.5, help="gateway sync interval")
     p.add_argument("--redis-timeout-ms", type=float, default=10.0, help="Redis lookup timeout")
+    p.add_argument(
+        "--redis-layout", choices=("map", "zsets"), default="map", help="the index's Redis layout"
+    )
+    p.add_argument("--redis-flush-ms", type=float, default=100.0, help="the map layout's flush")
     p.add_argument(
         "--num-gpu-blocks",
         type=int,

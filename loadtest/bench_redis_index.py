@@ -8,8 +8,10 @@ common head (a system prompt), so that a match does real work on every candidate
 that served the prompt holds all of it, the others only the shared head. Latency is measured
 per call from the caller's coroutine (what the gateway sees), at each ``--concurrency``
 (concurrent callers on one event loop). The Redis server shares the machine. ``redis-bounded``
-is fleet mode's record (only new blocks plus at most ``--refresh-blocks`` refreshed; the
-others rewrite every block of the prompt).
+is the sorted-set layout's fleet-mode record (only new blocks plus at most
+``--refresh-blocks`` refreshed; the others rewrite every block of the prompt). ``redis-map`` is
+the map layout (fleet mode's default): a match is one HMGET; a record only queues (its
+latency is the queueing), the queue is flushed after each timed round.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from loadtest import benchkit
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
 from router.index.redis import RedisIndex, make_client
+from router.index.redis_map import RedisMapIndex
 from router.index.resilient import ResilientIndex
 
 
@@ -87,12 +90,16 @@ async def run(args: argparse.Namespace, url: str) -> None:
         "redis-decimal": RedisIndex(client, "bench/decimal", encoding="decimal"),
         # fleet mode's records: only new blocks, at most --refresh-blocks old ones refreshed
         "redis-bounded": RedisIndex(client, "bench/bounded", refresh_blocks=args.refresh_blocks),
+        # the map layout (fleet mode's default): writes queued, flushed after each timed round
+        "redis-map": RedisMapIndex(client, "bench/map", refresh_blocks=args.refresh_blocks),
         "resilient(redis-binary)": ResilientIndex(
             RedisIndex(client, "bench/resilient"), match_timeout_s=args.timeout_ms / 1000
         ),
     }
     for index in indexes.values():
         await fill(index, replicas, prompts)
+        if isinstance(index, RedisMapIndex):
+            await index.flush()
 
     per_replica = (args.prompts // args.replicas) * (args.blocks - args.shared) + args.shared
     print(
@@ -121,6 +128,8 @@ async def run(args: argparse.Namespace, url: str) -> None:
                         replicas[i % len(replicas)], prompts[(i * 104729) % len(prompts)]
                     ),
                 )
+                if isinstance(index, RedisMapIndex):  # its records were queued: send them
+                    await index.flush()
             local = "-" if fallbacks is None else str(getattr(index, "fallbacks", 0) - fallbacks)
             us = [f"{_pct(x, q) * 1e6:.0f}" for x in (m, r) for q in (0.5, 0.99)]
             print(table.row([name, conc, *us, local]))
@@ -145,6 +154,14 @@ async def run(args: argparse.Namespace, url: str) -> None:
         members = sum([await client.zcard(ix.blocks_key(r)) for r in replicas])
         wire = sum(len(m) + 8 for m in ix._members(prompts[0]))  # + RESP framing per arg
         print(f"{enc:<22}{sum(sizes) / max(1, members):>21.1f}   {wire:>33}")
+    ix = indexes["redis-map"]
+    assert isinstance(ix, RedisMapIndex)
+    keys = [ix.map_key(replicas[0])] + [ix.blocks_key(r) for r in replicas]
+    sizes = [await client.memory_usage(k, samples=0) or 0 for k in keys]
+    members = sum([await client.zcard(k) for k in keys[1:]])
+    print(
+        f"{'map layout':<22}{sum(sizes) / max(1, members):>21.1f}   {8 * len(prompts[0]) + 8:>33}"
+    )
     info = await client.info("memory")
     print(f"(redis used_memory {info['used_memory_human']})")
     for index in indexes.values():

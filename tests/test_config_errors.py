@@ -171,6 +171,7 @@ def _sample(name: str) -> tuple[object, str]:
         "pd_order": "prefill-first",
         "salt_policy": "tenant",
         "redis_url": "redis://10.0.0.9:6379/0",
+        "redis_layout": "zsets",
         "outlier_error_ratio": 0.25,
         "client_share": 0.5,
         "flow_kv_usage_max": 0.5,

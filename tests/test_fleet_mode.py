@@ -67,8 +67,11 @@ async def shared_match(gw: Any, hashes: list[int], urls: list[str]) -> dict[str,
 
 
 async def background_done(*gws: Any) -> bool:
-    """The Redis writes each gateway spawned off the request path have all finished."""
-    return not any(gw.gateway._background for gw in gws)
+    """The Redis writes each gateway spawned off the request path have all finished, and
+    the index writes they queued have been flushed."""
+    return not any(
+        gw.gateway._background or getattr(gw.gateway.index.primary, "pending", 0) for gw in gws
+    )
 
 
 async def explain(s: aiohttp.ClientSession, gw: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -351,20 +354,21 @@ async def test_redis_keys_stay_within_capacity_and_namespace(fleet, gateway, red
     busiest = max(sent, key=sent.__getitem__)
     assert cards[busiest] == 64, cards  # trimmed to exactly the capacity
     for u in urls:
-        if sent[u]:
-            assert int(await rclient.get(index.capacity_key(u))) == 64
+        if sent[u]:  # the capacity is stored in the model's map, under the replica's id
+            assert int(await rclient.hget(index.map_key(u), b"c" + index.rid(u))) == 64
 
     keys = [k.decode() for k in await rclient.keys("*")]
     tag = "{" + MODEL + "}"
     # The model's index under its own tag (one Cluster slot); what the gateways share about
     # the fleet as a whole (load, ring members) under the fleet's.
-    index_keys = [k for k in keys if ":blocks:" in k or ":cap:" in k]
+    index_keys = [k for k in keys if ":blocks:" in k or k.endswith(":map")]
     assert index_keys and all(k.startswith(f"cap-ns:{tag}:") for k in index_keys), keys
     assert all(k.startswith("cap-ns:{fleet}:") for k in set(keys) - set(index_keys)), keys
     assert len({key_slot(k.encode()) for k in index_keys}) == 1  # one hash tag, one slot
     for u in sent:
-        assert f"cap-ns:{tag}:blocks:{u}" in keys and f"cap-ns:{tag}:cap:{u}" in keys
-    assert {k.split(":", 3)[2] for k in keys} >= {"blocks", "cap", "gw", "gateways"}
+        assert f"cap-ns:{tag}:blocks:{u}" in keys
+    assert f"cap-ns:{tag}:map" in keys
+    assert {k.split(":", 3)[2] for k in keys} >= {"blocks", "map", "gw", "gateways"}
 
 
 def _closed_port() -> int:

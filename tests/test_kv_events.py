@@ -520,6 +520,9 @@ async def fleet_settled(gws: list[Any], replicas: list[Any]) -> None:
     for g in gws:  # placements are written off the request path in fleet mode
         while g.gateway._background:
             await asyncio.gather(*list(g.gateway._background), return_exceptions=True)
+        shared = getattr(g.gateway.index, "inner", None)
+        if shared is not None and hasattr(shared, "flush") and shared.redis_up:
+            assert await shared.flush()  # the index writes queued for Redis, sent
 
 
 async def shared_settled(client: Any, gws: list[Any], replicas: list[Any]) -> None:

@@ -161,6 +161,10 @@ def problems(config: Config) -> list[str]:
             "kv_events_offload_weight must be 0..1 (a GPU block is 1), got "
             f"{config.kv_events.kv_events_offload_weight}"
         )
+    if config.fleet.redis_layout not in ("map", "zsets"):
+        problems.append(f"redis_layout must be 'map' or 'zsets', got {config.fleet.redis_layout!r}")
+    if config.fleet.redis_flush_ms <= 0:
+        problems.append(f"redis_flush_ms must be positive, got {config.fleet.redis_flush_ms}")
     if config.kv_events.kv_events_timeout_s <= 0:
         problems.append(
             f"kv_events_timeout_s must be positive, got {config.kv_events.kv_events_timeout_s}"

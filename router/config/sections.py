@@ -270,6 +270,16 @@ class Fleet:
         "a Redis record writes the blocks new to the replica and refreshes at most this many "
         "it already held (0: rewrite every block of the prompt each time)",
     )
+    redis_layout: str = _opt(
+        "map",
+        "the shared index's layout in Redis: 'map' (one hash per model: a lookup is one "
+        "command, writes batched) or 'zsets' (a sorted set per replica, written per request)",
+    )
+    redis_flush_ms: float = _opt(
+        100.0,
+        "the map layout sends this gateway's index writes at most this many ms after the "
+        "first one queued (or once 512 are queued): what other gateways see is this late",
+    )
 
 
 @dataclass

@@ -26,6 +26,7 @@ from router.fleet.replicas import Fleet
 from router.fleet.shared_state import FLEET_SCOPE, FleetSync, new_gateway_id
 from router.index import MemoryIndex, PrefixIndex
 from router.index.redis import RedisIndex
+from router.index.redis_map import RedisMapIndex
 from router.index.resilient import ResilientIndex
 from router.telemetry.metrics import Metrics
 
@@ -72,14 +73,31 @@ class FleetMode:
     async def start(self) -> PrefixIndex:
         config = self.config
         capacity = config.routing.capacity_blocks or 65_536
-        shared = RedisIndex(
-            self.redis,
-            UNKNOWN_MODEL,
-            model_of=self.fleet.model_of,  # each model's keys under its own tag
-            namespace=config.fleet.redis_prefix,
-            default_capacity=capacity,
-            refresh_blocks=config.fleet.redis_refresh_blocks or None,  # router/index/redis.py
-        )
+        shared: RedisIndex | RedisMapIndex
+        if config.fleet.redis_layout == "zsets":
+            shared = RedisIndex(
+                self.redis,
+                UNKNOWN_MODEL,
+                model_of=self.fleet.model_of,  # each model's keys under its own tag
+                namespace=config.fleet.redis_prefix,
+                default_capacity=capacity,
+                refresh_blocks=config.fleet.redis_refresh_blocks or None,  # router/index/redis.py
+            )
+        else:  # one hash per model: a match is one HMGET, writes batched (redis_map.py)
+            shared = RedisMapIndex(
+                self.redis,
+                UNKNOWN_MODEL,
+                model_of=self.fleet.model_of,
+                namespace=config.fleet.redis_prefix,
+                default_capacity=capacity,
+                refresh_blocks=config.fleet.redis_refresh_blocks or None,
+                # Precise mode: one gateway writes a replica's events, the others their
+                # placements; a placement sent late could land after the event that evicted
+                # it, so writes go at once (still batched while a flush is in flight).
+                flush_interval_s=0.0
+                if config.kv_events.enabled
+                else config.fleet.redis_flush_ms / 1000,
+            )
         self.index = ResilientIndex(
             shared, MemoryIndex(capacity), match_timeout_s=config.fleet.redis_timeout_ms / 1000
         )

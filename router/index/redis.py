@@ -63,7 +63,10 @@ from typing import Any, Literal
 
 from router.core.redis_client import Client, aclose, make_client
 from router.core.redis_client import ping as ping_client
+from router.index.keys import ModelKeys, key_prefix, model_tag
 from router.index.memory import DEFAULT_CAPACITY_BLOCKS
+
+__all__ = ["RedisIndex", "key_prefix", "make_client", "model_tag"]
 
 DEFAULT_NAMESPACE = "prefix-router"
 DEFAULT_TTL_S = 24 * 3600.0
@@ -267,21 +270,6 @@ def _script(body: str, encoding: Encoding, first: int) -> str:
     return _MEMBERS[encoding].format(first=first) + body.format(chunk=_CHUNK)
 
 
-def model_tag(model: str) -> str:
-    """``model`` made safe inside a ``{...}`` hash tag: braces (and ``%``) are percent-encoded
-    so the tag always spans the whole model name and is never empty."""
-    if not model:
-        raise ValueError("model must be non-empty")
-    return model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-
-
-def key_prefix(namespace: str, model: str) -> str:
-    """``{namespace}:{<model>}:``, the prefix of every key for ``model``."""
-    if not namespace or "{" in namespace or "}" in namespace:
-        raise ValueError("namespace must be non-empty and contain no braces")
-    return f"{namespace}:{{{model_tag(model)}}}:"
-
-
 class RedisIndex:
     """``PrefixIndex`` over a Redis client (router/core/redis_client.py: one server, a Cluster or
     a Sentinel's master). Every call touches one model's keys, so one Cluster slot; every
@@ -308,10 +296,8 @@ class RedisIndex:
         self.client = client
         self.model = model
         self.namespace = namespace
-        self.prefix = key_prefix(namespace, model)  # a replica whose model is unknown
-        self.model_of = model_of
-        self._models: dict[str, str] = {}  # replica -> the model it last reported
-        self._prefixes: dict[str, str] = {}  # model -> its key prefix
+        self.keys = ModelKeys(namespace, model, model_of)
+        self.prefix = self.keys.prefix  # a replica whose model is unknown
         self.default_capacity = max(1, default_capacity)
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.encoding: Encoding = encoding
@@ -346,19 +332,8 @@ class RedisIndex:
     # keys -------------------------------------------------------------------------------
 
     def prefix_of(self, replica: str) -> str:
-        """The key prefix of ``replica``'s model (the last one it reported: a replica removed
-        from the fleet is still dropped under its model's keys)."""
-        model = self.model_of(replica) if self.model_of is not None else None
-        if model is None:
-            model = self._models.get(replica)
-            if model is None:
-                return self.prefix
-        else:
-            self._models[replica] = model
-        prefix = self._prefixes.get(model)
-        if prefix is None:
-            prefix = self._prefixes[model] = key_prefix(self.namespace, model)
-        return prefix
+        """The key prefix of ``replica``'s model (``ModelKeys``)."""
+        return self.keys.prefix_of(replica)
 
     def blocks_key(self, replica: str) -> str:
         return f"{self.prefix_of(replica)}blocks:{replica}"

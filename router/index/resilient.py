@@ -129,6 +129,10 @@ class ResilientIndex:
         self._pending_drops: set[str] = set()
         self._pending_capacity: dict[str, int] = {}
         self._closed = False
+        # A primary that queues its writes (``RedisMapIndex``): its flushes run here, under
+        # the breaker; a write while the circuit is open is skipped, not queued.
+        self._buffered = bool(getattr(primary, "buffered", False))
+        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> bool:
         """Optional: check the primary once (within ``probe_timeout_s``) so that a gateway
@@ -184,6 +188,8 @@ class ResilientIndex:
         """Open the circuit (idempotent) and make sure the recovery probe runs."""
         self._calls.clear()
         self._fails.clear()
+        if self._buffered:
+            self.skipped_writes += self.primary.discard()  # type: ignore[attr-defined]
         self._set_state(False, reason)
         if not self._closed and (self._probe_task is None or self._probe_task.done()):
             self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
@@ -270,8 +276,41 @@ class ResilientIndex:
 
     async def write_primary(self, what: str, make: Callable[[], Awaitable[Any]]) -> bool:
         """A write to the primary alone, under the same breaker and timeout as the others
-        (a KV event stream's new owner catching the shared index up). True if it landed."""
+        (a KV event stream's new owner catching the shared index up). True if it landed
+        (a buffered primary's: queued, flushed by the next flush)."""
+        self._ensure_flusher()
         return await self._write(what, make)
+
+    # flushes (a buffered primary) ----------------------------------------------------------
+
+    def _ensure_flusher(self) -> None:
+        if self._buffered and not self._closed and (self._flusher is None or self._flusher.done()):
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    async def _flush_loop(self) -> None:
+        primary: Any = self.primary
+        while not self._closed:
+            await primary.due()
+            if self.redis_up:
+                await self._write("flush", primary.flush)
+            else:
+                self.skipped_writes += primary.discard()
+
+    async def flush(self) -> bool:
+        """Send a buffered primary's queued writes now (tests, shutdown). True if they
+        landed (or there were none)."""
+        if not self._buffered:
+            return True
+        return await self._write("flush", self.primary.flush)  # type: ignore[attr-defined]
+
+    async def _queue(self, what: str, make: Callable[[], Awaitable[Any]]) -> bool:
+        """A buffered primary's write: queued at once while the circuit is closed."""
+        if not self.redis_up:
+            self.skipped_writes += 1
+            return False
+        self._ensure_flusher()
+        await make()
+        return True
 
     async def _write(self, what: str, make: Callable[[], Awaitable[Any]]) -> bool:
         if not self.redis_up:
@@ -318,15 +357,18 @@ class ResilientIndex:
 
     async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
         await self.local.record(replica, block_hashes)
-        await self._write("record", lambda: self.primary.record(replica, block_hashes))
+        write = self._queue if self._buffered else self._write
+        await write("record", lambda: self.primary.record(replica, block_hashes))
 
     async def forget(self, replica: str, block_hashes: Sequence[int]) -> None:
         await self.local.forget(replica, block_hashes)
-        await self._write("forget", lambda: self.primary.forget(replica, block_hashes))
+        write = self._queue if self._buffered else self._write
+        await write("forget", lambda: self.primary.forget(replica, block_hashes))
 
     async def set_capacity(self, replica: str, blocks: int) -> None:
         await self.local.set_capacity(replica, blocks)
-        if await self._write("set_capacity", lambda: self.primary.set_capacity(replica, blocks)):
+        write = self._queue if self._buffered else self._write
+        if await write("set_capacity", lambda: self.primary.set_capacity(replica, blocks)):
             self._pending_capacity.pop(replica, None)
         else:
             self._pending_capacity[replica] = blocks
@@ -344,6 +386,9 @@ class ResilientIndex:
 
     async def close(self) -> None:
         self._closed = True
+        await cancel_and_wait(self._flusher)
+        if self._buffered and self.redis_up:  # what this gateway learned last still lands
+            await self._write("flush", self.primary.flush)  # type: ignore[attr-defined]
         await cancel_and_wait(self._probe_task, *self._late)
         await self.local.close()
         await self.primary.close()
