@@ -81,7 +81,10 @@ async def test_summary_names_fleet_mode_and_where_the_block_size_came_from(  # t
     (replica,) = await fleet(1, block_size=32)
     await gateway([replica.url], redis_url=redis_server.url)
     (block,) = [m for m in messages(caplog) if "listening on" in m]
-    assert f"on, {redis_server.url} (one Redis server), prefix 'prefix-router': Redis up" in block
+    assert (
+        f"on, {redis_server.url} (one Redis server), prefix 'prefix-router': Redis up; "
+        "index in one hash per model, writes sent every 100 ms"
+    ) in block
     assert "block size  32 (reported by the replicas in vllm:cache_config_info)" in block
 
 

@@ -73,7 +73,15 @@ def _fleet_mode(gw: Gateway) -> str:
     state = "Redis up" if index is not None and index.redis_up else "Redis DOWN (routing locally)"
     kind = gw.fleet_mode.target.describe() if gw.fleet_mode is not None else "Redis"
     url = mask_url_credentials(config.fleet.redis_url)
-    return f"on, {url} ({kind}), prefix {config.fleet.redis_prefix!r}: {state}"
+    if config.fleet.redis_layout == "zsets":
+        layout = "index in a sorted set per replica, written per request"
+    elif config.kv_events.enabled:
+        layout = "index in one hash per model, writes sent at once (KV events)"
+    else:
+        layout = (
+            f"index in one hash per model, writes sent every {config.fleet.redis_flush_ms:g} ms"
+        )
+    return f"on, {url} ({kind}), prefix {config.fleet.redis_prefix!r}: {state}; {layout}"
 
 
 def _kv_events(gw: Gateway) -> str:
