@@ -718,8 +718,9 @@ def test_dashboard_covers_the_fleet() -> None:
         in exprs
     )
     for metric in (
-        "prefix_router_predicted_cached_tokens_total",
-        "prefix_router_reported_cached_tokens_total",
+        "prefix_router_reuse_available_tokens_total",
+        "prefix_router_reuse_captured_tokens_total",
+        "prefix_router_reuse_delivered_tokens_total",
         "prefix_router_decisions_total",
         "prefix_router_inflight_requests",
         "prefix_router_requests_total",
@@ -735,8 +736,9 @@ def test_dashboard_covers_the_fleet() -> None:
         "prefix_router_rejected_requests_total",
         "vllm:request_queue_time_seconds_bucket",
         "prefix_router_ideal_hit_rate",
-        "prefix_router_predicted_hit_rate",
-        "prefix_router_measured_hit_rate",
+        "prefix_router_available_hit_rate",
+        "prefix_router_captured_hit_rate",
+        "prefix_router_delivered_hit_rate",
         "prefix_router_build_info",
     ):
         assert metric in exprs, metric

@@ -146,16 +146,18 @@ def test_first_divergence_and_resync():
 
 
 def test_attribution_waterfall_adds_up():
-    for n, ideal, placed, measured in [
+    for n, ideal, reusable, delivered in [
         (100, 80, 80, 10),  # eviction
         (100, 80, 16, 16),  # placement
         (100, 0, 0, 0),  # layout
         (100, 32, 32, 64),  # beyond the window's ideal
         (100, 80, None, None),  # offline
     ]:
-        a = attribute(n, ideal, placed, measured)
-        total = sum(a[k] or 0 for k in ("hit", "layout", "placement", "capacity", "unmeasured"))
-        assert total == n, (n, ideal, placed, measured, a)
+        a = attribute(n, ideal, reusable, delivered)
+        total = sum(
+            a[k] or 0 for k in ("delivered", "layout", "placement", "capacity", "unreported")
+        )
+        assert total == n, (n, ideal, reusable, delivered, a)
     assert attribute(100, 80, 80, 10)["capacity"] == 70
     assert attribute(100, 80, 16, 16)["placement"] == 64
     assert attribute(100, 0, 0, 0)["layout"] == 100
@@ -266,7 +268,8 @@ async def test_live_timestamp_at_top_is_layout(fleet, gateway, renderer):
         async with s.get(gw.url + "/metrics") as r:
             metrics = await r.text()
         assert f'prefix_router_ideal_hit_rate{{model="{MODEL}"}}' in metrics
-        assert f'prefix_router_predicted_hit_rate{{model="{MODEL}"}}' in metrics
+        for name in ("available", "captured", "delivered", "predicted", "measured"):
+            assert f'prefix_router_{name}_hit_rate{{model="{MODEL}"}}' in metrics
 
 
 async def test_live_preamble_positions(fleet, gateway, renderer):
@@ -332,8 +335,8 @@ async def test_live_small_pool_is_capacity(fleet, gateway, renderer):
     assert lost["capacity"]["tokens"] > lost["layout"]["tokens"]
     assert lost["placement"]["tokens"] == 0
     assert rep["hit_rates"]["ideal"] > 0.6
-    assert rep["hit_rates"]["measured"] < 0.3
-    assert rep["hit_rates"]["ideal"] - rep["hit_rates"]["measured"] > 0.4
+    assert rep["hit_rates"]["delivered"] < 0.3
+    assert rep["hit_rates"]["ideal"] - rep["hit_rates"]["delivered"] > 0.4
     counters = rep["hit_rates"].get("replica_counters")
     assert counters is None or counters["hit_rate"] < 0.3
 
@@ -377,7 +380,7 @@ def test_offline_timestamp(tmp_path, capsys, tokenizer_dir, renderer):
     assert culprit["index"] == want
     assert "Current date and time: 2026-10-27T14:03:" in culprit["line"]
     assert rep["verdict"]["cause"] == "layout"
-    assert rep["hit_rates"]["measured"] is None
+    assert rep["hit_rates"]["delivered"] is None
     text = run_offline(tmp_path, capsys, tokenizer_dir, bodies)
     assert "Current date and time" in text and f"at token {want}" in text
     red = run_offline(tmp_path, capsys, tokenizer_dir, bodies, "--redact")

@@ -94,6 +94,16 @@ def describe(
             "replica": decision.replica,
             "reason": decision.reason,
             "why": decision.why,
+            # The three reuse numbers (router/routing/reuse.py) as far as a decision knows
+            # them: delivered is the replica's usage.prompt_tokens_details.cached_tokens.
+            "reuse": {
+                "available_tokens": max(
+                    [decision.matched_blocks, *(s.matched_blocks for s in decision.scores)]
+                )
+                * rr.block_size,
+                "captured_tokens": decision.matched_blocks * rr.block_size,
+                "delivered_tokens": None,
+            },
             "predicted_cached_blocks": decision.matched_blocks,
             "predicted_cached_tokens": decision.matched_blocks * rr.block_size,
             # Of those, the blocks the replica loads from an offload tier (precise mode).

@@ -355,4 +355,4 @@ class Exchange(Generic[A]):
         if relayed and rr.endpoint == "responses" and ticket.session:
             self.path.response_chains.learn(outcome.head, ticket.session)
         # learn: after the response is written (the next loop turn, before any new request).
-        asyncio.get_running_loop().call_soon(self.path.learn, rr, leg.decision, outcome)
+        asyncio.get_running_loop().call_soon(self.path.learn, rr, leg.decision, outcome, relayed)

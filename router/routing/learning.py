@@ -20,7 +20,7 @@ from router.fleet.wiring import FleetWiring
 from router.intake.parse import skips_cache_read
 from router.intake.routed_request import RoutedRequest
 from router.models.upkeep import ModelUpkeep, Spawn
-from router.routing import generated
+from router.routing import generated, reuse
 from router.schedule import Decision
 from router.schedule.observed import is_wait_sample
 from router.telemetry.metrics import Metrics
@@ -81,7 +81,9 @@ class Learner:
         if extra:
             self.spawn(self.wiring.index.record(replica, [*rr.block_hashes, *extra]))
 
-    def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+    def learn(
+        self, rr: RoutedRequest, decision: Decision, outcome: Outcome, relayed: bool = True
+    ) -> None:
         """Count the outcome, feed the replica's observed wait, the model's counters and
         drift watch and the observers, and correct the index where the replica reported
         fewer cached tokens than predicted."""
@@ -103,6 +105,8 @@ class Learner:
             replica.ttft.observe(outcome.first_byte_s)
         predicted = decision.matched_blocks * rr.block_size
         self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
+        if relayed:  # a disaggregated request's answer is its decode leg's
+            reuse.account(self.metrics, rr, decision, outcome)
         if rr.model_entry is not None:
             self.upkeep.learn(rr.model_entry, predicted, outcome.cached_tokens)
         for observer in self.observers:

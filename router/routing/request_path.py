@@ -355,13 +355,18 @@ class RequestPath(Preparation):
         if tail is None or decision.replica not in tail.taken_back:
             await self.wiring.index.record(decision.replica, full.block_hashes)
 
-    def learn(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
+    def learn(
+        self, rr: RoutedRequest, decision: Decision, outcome: Outcome, relayed: bool = True
+    ) -> None:
         """Compare the prediction with what the replica reports, and correct the index (a
-        lazy head's once its tail is tokenized: observers see the whole prompt)."""
+        lazy head's once its tail is tokenized: observers see the whole prompt).
+        ``relayed``: the leg whose answer the client got (not a prefill leg)."""
         if lazy_tail.pending(rr):
-            self.spawn(self._learn_later(rr, decision, outcome))
+            self.spawn(self._learn_later(rr, decision, outcome, relayed))
         else:
-            self.learner.learn(lazy_tail.latest(rr), decision, outcome)
+            self.learner.learn(lazy_tail.latest(rr), decision, outcome, relayed)
 
-    async def _learn_later(self, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
-        self.learner.learn(await self.complete(rr), decision, outcome)
+    async def _learn_later(
+        self, rr: RoutedRequest, decision: Decision, outcome: Outcome, relayed: bool
+    ) -> None:
+        self.learner.learn(await self.complete(rr), decision, outcome, relayed)

@@ -68,15 +68,45 @@ class Metrics:
         self.prompt_tokens = LoopCounter(
             "prefix_router_prompt_tokens", "Prompt tokens routed", ["tenant"], registry=r
         )
+        # The three reuse numbers, per model and tenant (router/routing/reuse.py).
+        self.reuse_prompt_tokens = LoopCounter(
+            "prefix_router_reuse_prompt_tokens",
+            "Prompt tokens of answered requests: the reuse numbers' denominator",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.reuse_available_tokens = LoopCounter(
+            "prefix_router_reuse_available_tokens",
+            "Reuse available: prompt tokens the replica holding the longest prefix held",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.reuse_captured_tokens = LoopCounter(
+            "prefix_router_reuse_captured_tokens",
+            "Reuse captured: prompt tokens the chosen replica held (the gateway's prediction)",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.reuse_delivered_tokens = LoopCounter(
+            "prefix_router_reuse_delivered_tokens",
+            "Reuse delivered: cached prompt tokens the replica reported "
+            "(usage.prompt_tokens_details.cached_tokens)",
+            ["model", "tenant"],
+            registry=r,
+        )
+        # Before the three numbers: captured and delivered by tenant, every attempt. Kept
+        # because dashboards imported from deploy/grafana/prefix-router.json read them.
         self.predicted_cached_tokens = LoopCounter(
             "prefix_router_predicted_cached_tokens",
-            "Prompt tokens the gateway predicted the chosen replica holds",
+            "Prompt tokens the gateway predicted the chosen replica holds (see "
+            "prefix_router_reuse_captured_tokens)",
             ["tenant"],
             registry=r,
         )
         self.reported_cached_tokens = LoopCounter(
             "prefix_router_reported_cached_tokens",
-            "Cached prompt tokens the replicas reported (usage.prompt_tokens_details)",
+            "Cached prompt tokens the replicas reported, usage.prompt_tokens_details (see "
+            "prefix_router_reuse_delivered_tokens)",
             ["tenant"],
             registry=r,
         )

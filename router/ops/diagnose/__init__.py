@@ -1,9 +1,10 @@
 """Why the prefix-cache hit rate is low, and where.
 
 The seeds' procedure, automated: replay the window's prompts through one unlimited cache for
-the **ideal** hit rate, compare it with the rate the gateway **predicted** for its placements
-and the rate the replicas **measured**, split the gap into causes, and find the line of the
-prompt that breaks the prefix with a **first-divergence histogram**.
+the **ideal** hit rate, compare it with the three reuse numbers (**available** in the fleet,
+**captured** by the routing choice, **delivered** by the engine: router/routing/reuse.py),
+split the gap into causes, and find the line of the prompt that breaks the prefix with a
+**first-divergence histogram**.
 
 Three ways in: ``GET /admin/diagnostics`` (live, ``LiveDiagnostics`` watches every finished
 request), ``prefix-router diagnose FILE`` (offline, on captured request bodies, tokenized by the
@@ -17,32 +18,35 @@ Quantities (all in prompt tokens, per request; rates are sums over the window / 
        salt and LoRA separate, as in vLLM) would serve. vLLM's rules: full blocks only, the
        longest run from block 0, capped at ``n - 1`` tokens. Prompt blocks only: the generated
        tokens' ids are not known to the gateway (vLLM caches them too, see ``beyond ideal``).
-``P``  predicted: the chosen replica's matched blocks in the decision (the index's belief).
+``A``  available: the most matched blocks among the decision's candidates (what the replica
+       holding the longest prefix held, by the index).
+``P``  captured: the chosen replica's matched blocks in the decision (the index's belief: the
+       prediction).
 ``R``  replayed placement: what the chosen replica would hold with unlimited memory, given where
        this gateway actually sent the window's earlier requests.
-``C``  placed-reusable = ``min(I, max(R, P))``: the part of the ideal the chosen replica should
-       have held. Offline (no placement) ``C = I``.
-``M``  measured: ``usage.prompt_tokens_details.cached_tokens``. vLLM omits the field on a miss,
+``C``  reusable where placed = ``min(I, max(R, P))``: the part of the ideal the chosen replica
+       should have held. Offline (no placement) ``C = I``.
+``D``  delivered: ``usage.prompt_tokens_details.cached_tokens``. vLLM omits the field on a miss,
        so once a replica has reported it at least once a missing value counts as 0; before
-       that, ``M`` is unknown.
+       that, ``D`` is unknown (unreported).
 
 Attribution rule (a waterfall; the four parts add up to ``n``)
 --------------------------------------------------------------
-* ``hit       = M``
-* ``capacity  = max(0, C - M)``            reusable, placed where it was, yet not served: the
+* ``delivered = D``
+* ``capacity  = max(0, C - D)``            reusable, placed where it was, yet not served: the
   replica evicted it before the reuse (or lost it: restart, reset).
-* ``placement = max(0, I - max(C, M))``     an unlimited cache had it, but the chosen replica
+* ``placement = max(0, I - max(C, D))``     an unlimited cache had it, but the chosen replica
   did not: another replica held more (from the replay, and the decision's scores).
-* ``layout    = n - max(I, M)``             not reusable even by one unlimited cache: the prompt
+* ``layout    = n - max(I, D)``             not reusable even by one unlimited cache: the prompt
   diverges from every earlier prompt there (a volatile line, reordered tools, new content).
 
-When ``M`` is unknown, ``capacity`` cannot be seen: ``layout`` and ``placement`` are as above
-and ``C`` is reported as *unmeasured*. ``M > I`` (blocks cached before the window began,
+When ``D`` is unknown, ``capacity`` cannot be seen: ``layout`` and ``placement`` are as above
+and ``C`` is reported as *unreported*. ``D > I`` (blocks cached before the window began,
 generated tokens, another gateway's traffic) is counted as a hit and reported as
 *beyond ideal*. The order is deliberate: a token is blamed on the cheapest explanation that
 covers it (the prompt first, then routing, then memory), so eviction is only claimed for tokens
 that were reusable *and* correctly placed. Separately, ``index_spills`` counts decisions whose
-scores show a replica believed to hold more than the chosen one (a load spill).
+captured was below their available (a load spill).
 
 Divergence
 ----------

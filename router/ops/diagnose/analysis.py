@@ -49,9 +49,12 @@ class Sample:
     lora: str | None = None
     t: float | None = None
     replica: str | None = None  # chosen replica
-    predicted_tokens: int | None = None  # the decision's matched blocks x block size
-    best_predicted_tokens: int | None = None  # the most any candidate was believed to hold
-    cached_tokens: int | None = None  # reported by the replica (None: not reported)
+    # The three reuse numbers (docs/diagnostics.md): what the chosen replica held (the
+    # decision's matched blocks x block size), the most any candidate held, and what the
+    # replica reported (usage's cached_tokens; None: not reported).
+    captured_tokens: int | None = None
+    available_tokens: int | None = None
+    cached_tokens: int | None = None
     completion_tokens: int | None = None
     max_tokens: int | None = None
     tools: tuple[str, ...] | None = None  # tool names in request order
@@ -182,29 +185,29 @@ def bucket_of(index: int) -> int:
 
 
 def attribute(
-    n: int, ideal: int, placed: int | None, measured: int | None
+    n: int, ideal: int, reusable: int | None, delivered: int | None
 ) -> dict[str, int | None]:
-    """Split one request's ``n`` prompt tokens by the module's attribution rule. ``placed`` is
-    ``C`` (None: no placement info, then ``C = ideal``); ``measured`` is ``M`` or None."""
+    """Split one request's ``n`` prompt tokens by the module's attribution rule. ``reusable``
+    is ``C`` (None: no placement info, then ``C = ideal``); ``delivered`` is ``D`` or None."""
     ideal = max(0, min(ideal, n))
-    c = ideal if placed is None else max(0, min(placed, ideal))
-    if measured is None:
+    c = ideal if reusable is None else max(0, min(reusable, ideal))
+    if delivered is None:
         return {
-            "hit": None,
+            "delivered": None,
             "layout": n - ideal,
             "placement": ideal - c,
             "capacity": None,
-            "unmeasured": c,
+            "unreported": c,
             "beyond_ideal": 0,
         }
-    m = max(0, min(measured, n))
+    d = max(0, min(delivered, n))
     return {
-        "hit": m,
-        "layout": n - max(ideal, m),
-        "placement": max(0, ideal - max(c, m)),
-        "capacity": max(0, c - m),
-        "unmeasured": 0,
-        "beyond_ideal": max(0, m - ideal),
+        "delivered": d,
+        "layout": n - max(ideal, d),
+        "placement": max(0, ideal - max(c, d)),
+        "capacity": max(0, c - d),
+        "unreported": 0,
+        "beyond_ideal": max(0, d - ideal),
     }
 
 
@@ -267,9 +270,9 @@ class Record:
     ideal: int
     replica: str | None
     replayed: int | None
-    predicted: int | None
-    best: int | None
-    measured: int | None
+    captured: int | None
+    available: int | None
+    delivered: int | None
     completion: int | None
     max_tokens: int | None
 

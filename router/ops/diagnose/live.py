@@ -1,5 +1,6 @@
 """``LiveDiagnostics``: a gateway observer that feeds every finished request into a window,
-keeps the ideal / predicted / measured hit-rate gauges, and answers reports on demand."""
+keeps the window's hit-rate gauges (ideal, and the three reuse numbers: available, captured,
+delivered), and answers reports on demand."""
 
 from __future__ import annotations
 
@@ -49,15 +50,36 @@ class LiveDiagnostics:
             ["model"],
             registry=reg,
         )
+        self.available_gauge = Gauge(
+            "prefix_router_available_hit_rate",
+            "Reuse available: the longest prefix any replica held, per prompt token (window)",
+            ["model"],
+            registry=reg,
+        )
+        self.captured_gauge = Gauge(
+            "prefix_router_captured_hit_rate",
+            "Reuse captured: what the chosen replica held, per prompt token (window)",
+            ["model"],
+            registry=reg,
+        )
+        self.delivered_gauge = Gauge(
+            "prefix_router_delivered_hit_rate",
+            "Reuse delivered: the replicas' reported cached tokens, per prompt token (window)",
+            ["model"],
+            registry=reg,
+        )
+        # The names the dashboard read before the three numbers had names of their own
+        # (deploy/grafana/prefix-router.json as imported by existing deployments): the same
+        # values as captured and delivered.
         self.predicted_gauge = Gauge(
             "prefix_router_predicted_hit_rate",
-            "Prefix-cache hit rate the gateway predicted for its placements (window)",
+            "Deprecated: prefix_router_captured_hit_rate",
             ["model"],
             registry=reg,
         )
         self.measured_gauge = Gauge(
             "prefix_router_measured_hit_rate",
-            "Prefix-cache hit rate the replicas reported in usage (window)",
+            "Deprecated: prefix_router_delivered_hit_rate",
             ["model"],
             registry=reg,
         )
@@ -72,7 +94,7 @@ class LiveDiagnostics:
             now = self.clock()
             tools = tool_names(rr.body) if rr.endpoint == "chat" else None
             bs = rr.block_size
-            best = max((s.matched_blocks for s in decision.scores), default=None)
+            most = max((s.matched_blocks for s in decision.scores), default=None)
             self.window.add(
                 Sample(
                     token_ids=rr.token_ids,
@@ -84,8 +106,8 @@ class LiveDiagnostics:
                     cache_salt=rr.cache_salt,
                     lora=rr.lora,
                     replica=decision.replica,
-                    predicted_tokens=decision.matched_blocks * bs,
-                    best_predicted_tokens=None if best is None else best * bs,
+                    captured_tokens=decision.matched_blocks * bs,
+                    available_tokens=None if most is None else most * bs,
                     cached_tokens=outcome.cached_tokens,
                     completion_tokens=outcome.completion_tokens,
                     max_tokens=rr.max_tokens,
@@ -105,13 +127,16 @@ class LiveDiagnostics:
         for m, acc in self.window.sums.items():
             if model is not None and m != model:
                 continue
-            n, ideal, pn, pred, mn, meas = acc
+            n, ideal, pn, available, captured, dn, delivered = acc
             if n:
                 self.ideal_gauge.labels(m).set(ideal / n)
             if pn:
-                self.predicted_gauge.labels(m).set(pred / pn)
-            if mn:
-                self.measured_gauge.labels(m).set(meas / mn)
+                self.available_gauge.labels(m).set(available / pn)
+                self.captured_gauge.labels(m).set(captured / pn)
+                self.predicted_gauge.labels(m).set(captured / pn)
+            if dn:
+                self.delivered_gauge.labels(m).set(delivered / dn)
+                self.measured_gauge.labels(m).set(delivered / dn)
 
     def _counters_now(self) -> dict[str, tuple[float, float]]:
         fleet = self.gateway.fleet

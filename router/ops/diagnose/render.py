@@ -24,24 +24,25 @@ def render_text(rep: dict[str, Any]) -> str:
     lines.append("")
     rc = hr.get("replica_counters")
     lines.append(
-        f"hit rate   ideal {_pct(hr['ideal'])}   predicted {_pct(hr['predicted'])}   measured "
-        f"{_pct(hr['measured'])} ({hr['measured_requests']} requests)"
+        f"hit rate   ideal {_pct(hr['ideal'])}   available {_pct(hr['available'])}   captured "
+        f"{_pct(hr['captured'])}   delivered {_pct(hr['delivered'])} "
+        f"({hr['delivered_requests']} requests)"
         + (f"   replica counters {_pct(rc['hit_rate'])}" if rc else "")
     )
     lines.append("")
     lines.append("where the prompt tokens went")
     n = max(tk["prompt"], 1)
-    rows = [("cached (measured)", tk["hit"], "")]
+    rows = [("delivered (cached)", tk["delivered"], "reported by the replicas")]
     rows += [
         ("lost to prompt layout", tk["lost"]["layout"]["tokens"], "not reusable by any cache"),
         ("lost to placement", tk["lost"]["placement"]["tokens"], "another replica held it"),
         ("lost to capacity", tk["lost"]["capacity"]["tokens"], "evicted before reuse"),
     ]
-    if tk["unmeasured"]["tokens"]:
+    if tk["unreported"]["tokens"]:
         rows.append(
             (
-                "reusable, unmeasured",
-                tk["unmeasured"]["tokens"],
+                "reusable, unreported",
+                tk["unreported"]["tokens"],
                 "no cached_tokens to compare (offline, or not reported)",
             )
         )

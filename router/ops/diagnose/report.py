@@ -75,27 +75,35 @@ def build_report(
 ) -> dict[str, Any]:
     n_total = sum(r.n for r in recs)
     ideal_total = sum(r.ideal for r in recs)
-    with_pred = [r for r in recs if r.predicted is not None]
-    with_meas = [r for r in recs if r.measured is not None]
-    parts = {"hit": 0, "layout": 0, "placement": 0, "capacity": 0, "unmeasured": 0}
+    placed = [r for r in recs if r.captured is not None]
+    reported = [r for r in recs if r.delivered is not None]
+    parts = {"delivered": 0, "layout": 0, "placement": 0, "capacity": 0, "unreported": 0}
     beyond = 0
     for r in recs:
-        placed = None
+        reusable = None
         if r.replica is not None:
-            placed = max(r.replayed or 0, r.predicted or 0)
-        a = attribute(r.n, r.ideal, placed, r.measured)
+            reusable = max(r.replayed or 0, r.captured or 0)
+        a = attribute(r.n, r.ideal, reusable, r.delivered)
         for k in parts:
             parts[k] += a[k] or 0
         beyond += a["beyond_ideal"] or 0
-    spills = [r for r in with_pred if (r.best or 0) > (r.predicted or 0)]
+    spills = [r for r in placed if (r.available or 0) > (r.captured or 0)]
 
+    placed_n = sum(r.n for r in placed)
     rates: dict[str, Any] = {
         "ideal": _rate(ideal_total, n_total),
-        "predicted": _rate(sum(r.predicted or 0 for r in with_pred), sum(r.n for r in with_pred)),
-        "measured": _rate(
-            sum(min(r.measured or 0, r.n) for r in with_meas), sum(r.n for r in with_meas)
+        "available": _rate(
+            sum(
+                min(r.available if r.available is not None else r.captured or 0, r.n)
+                for r in placed
+            ),
+            placed_n,
         ),
-        "measured_requests": len(with_meas),
+        "captured": _rate(sum(r.captured or 0 for r in placed), placed_n),
+        "delivered": _rate(
+            sum(min(r.delivered or 0, r.n) for r in reported), sum(r.n for r in reported)
+        ),
+        "delivered_requests": len(reported),
     }
     if counters:
         hits = sum(h for h, _ in counters.values())
@@ -149,17 +157,17 @@ def build_report(
         "tokens": {
             "prompt": n_total,
             "ideal": ideal_total,
-            "hit": parts["hit"],
+            "delivered": parts["delivered"],
             "beyond_ideal": beyond,
-            "unmeasured": {
-                "tokens": parts["unmeasured"],
-                "share": _rate(parts["unmeasured"], n_total),
+            "unreported": {
+                "tokens": parts["unreported"],
+                "share": _rate(parts["unreported"], n_total),
             },
             "lost": lost,
         },
         "index_spills": {
             "requests": len(spills),
-            "tokens": sum((r.best or 0) - (r.predicted or 0) for r in spills),
+            "tokens": sum((r.available or 0) - (r.captured or 0) for r in spills),
         },
         "decode_bound": decode_bound,
         "divergence": divergence,

@@ -66,7 +66,7 @@ class Window:
         self._placed: dict[tuple[str, str], Seen] = {}  # per (model, replica): the replay
         self.block_size: int | None = None
         self.reporting_replicas: set[str] = set()  # replicas seen reporting cached_tokens
-        # model -> [n, ideal, predicted_n, predicted, measured_n, measured]
+        # model -> [n, ideal, placed_n, available, captured, delivered_n, delivered]
         self.sums: dict[str, list[int]] = {}
 
     # -- ingest -----------------------------------------------------------------------------
@@ -105,12 +105,12 @@ class Window:
             placed.add(hashes, seq)
         self._blocks += nb
 
-        measured = s.cached_tokens
+        delivered = s.cached_tokens
         if s.replica is not None:
-            if measured is not None:
+            if delivered is not None:
                 self.reporting_replicas.add(s.replica)
             elif s.replica in self.reporting_replicas:
-                measured = 0  # vLLM omits prompt_tokens_details on a miss
+                delivered = 0  # vLLM omits prompt_tokens_details on a miss
         key: GroupKey = (s.model, s.tenant, s.app)
         rec = Record(
             seq,
@@ -121,9 +121,9 @@ class Window:
             ideal,
             s.replica,
             replayed,
-            s.predicted_tokens,
-            s.best_predicted_tokens,
-            measured,
+            s.captured_tokens,
+            s.available_tokens,
+            delivered,
             s.completion_tokens,
             s.max_tokens,
         )
@@ -133,15 +133,16 @@ class Window:
         return rec
 
     def _sum(self, r: Record, sign: int) -> None:
-        acc = self.sums.setdefault(r.key[0], [0, 0, 0, 0, 0, 0])
+        acc = self.sums.setdefault(r.key[0], [0, 0, 0, 0, 0, 0, 0])
         acc[0] += sign * r.n
         acc[1] += sign * r.ideal
-        if r.predicted is not None:
+        if r.captured is not None:
             acc[2] += sign * r.n
-            acc[3] += sign * r.predicted
-        if r.measured is not None:
-            acc[4] += sign * r.n
-            acc[5] += sign * min(r.measured, r.n)
+            acc[3] += sign * min(r.available if r.available is not None else r.captured, r.n)
+            acc[4] += sign * r.captured
+        if r.delivered is not None:
+            acc[5] += sign * r.n
+            acc[6] += sign * min(r.delivered, r.n)
 
     def _expire(self, now: float, incoming_blocks: int = 0) -> None:
         recs = self.records
