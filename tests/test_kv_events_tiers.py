@@ -130,7 +130,7 @@ async def test_a_prompt_held_only_on_cpu_goes_back_to_its_replica_scored_as_conf
         by_url = {c["replica"]: c for c in ex["candidates"]}
         held = by_url[home.url]
         assert held["tiers"] == {"gpu": 0, "offload": n} and held["matched_blocks"] == n
-        assert held["reuse"] == weight * n
+        assert held["weighted_blocks"] == weight * n
         assert held["terms"]["uncached_prefill"] == ex["prompt_tokens"] - round(weight * n * BS)
         assert held["kv_events"]["offloaded_blocks"]["CPU"] >= n
         cold = next(c for u, c in by_url.items() if u != home.url)

@@ -119,12 +119,12 @@ def describe(
                 "replica": s.url,
                 "matched_blocks": s.matched_blocks,
                 # Where they are: the GPU's leading run, then an offload tier's (scored at
-                # kv_events_offload_weight each: "reuse").
+                # kv_events_offload_weight each: "weighted_blocks").
                 "tiers": {
                     "gpu": s.matched_blocks - s.offloaded_blocks,
                     "offload": s.offloaded_blocks,
                 },
-                "reuse": s.reuse,
+                "weighted_blocks": s.weighted_blocks,
                 "load": s.load,
                 "terms": dict(s.terms),
                 "estimated_cost": s.cost,

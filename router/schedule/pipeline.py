@@ -122,9 +122,9 @@ class Pipeline:
             f = removed.get(c.url)
             held = c.matched_blocks if c.matched_blocks < limit else limit  # cycle.held(c)
             holders += held > 0
-            off, reuse = cycle.tiered(c) if c.offloaded_blocks else (0, held)
+            off, weighted = cycle.tiered(c) if c.offloaded_blocks else (0, held)
             # Positional, in the field order (url, matched_blocks, load, cost, terms,
-            # filtered, filtered_by, offloaded_blocks, reuse): keywords cost a dict per
+            # filtered, filtered_by, offloaded_blocks, weighted_blocks): keywords cost a dict per
             # candidate.
             scored.append(
                 ScoredCandidate(
@@ -136,7 +136,7 @@ class Pipeline:
                     f.reason if f else None,
                     f.name if f else None,
                     off,
-                    reuse,
+                    weighted,
                 )
             )
         pick = self.picker.pick(cycle, scored)

@@ -67,7 +67,7 @@ class ScoredCandidate:
     filtered: str | None = None  # why it was not eligible (the filter's reason), if it was not
     filtered_by: str | None = None  # the filter that removed it
     offloaded_blocks: int = 0  # of matched_blocks, those only an offload tier holds
-    reuse: float = 0.0  # matched_blocks with each offloaded one at its weight: what pickers rank
+    weighted_blocks: float = 0.0  # matched_blocks, an offloaded one at its weight: pickers rank it
 
 
 class Branch(enum.Enum):
@@ -152,7 +152,7 @@ class Cycle:
         return min(c.matched_blocks, self.limit)
 
     def tiered(self, c: Candidate) -> tuple[int, float]:
-        """Of ``held(c)``, the blocks only an offload tier holds, and the reuse all of them
+        """Of ``held(c)``, the blocks only an offload tier holds, and what all of them
         are worth: a GPU block 1, an offloaded one ``c.offload_weight``."""
         held = c.matched_blocks if c.matched_blocks < self.limit else self.limit
         gpu = c.matched_blocks - c.offloaded_blocks

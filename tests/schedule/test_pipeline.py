@@ -62,7 +62,7 @@ def test_an_offloaded_prefix_ranks_below_the_gpu_and_above_a_cold_replica(policy
     d = pipeline.choose(r, fleet("gpu", "cpu", "cold"))
     assert d.replica == "gpu" and d.matched_blocks == 8 and d.offloaded_blocks == 0
     scored = {s.url: s for s in d.scores}
-    assert (scored["cpu"].reuse, scored["cpu"].offloaded_blocks) == (5.0, 6)
+    assert (scored["cpu"].weighted_blocks, scored["cpu"].offloaded_blocks) == (5.0, 6)
     if "uncached_prefill" in d.terms["cpu"]:
         assert d.terms["cpu"]["uncached_prefill"] == 160 - 5 * 16
     d = pipeline.choose(r, fleet("cold", "cpu"))

@@ -57,6 +57,6 @@ class RingMinCost(Picker):
             return Pick(ring_choice, branch, WHY[branch], ring_choice)
         rank = cycle.ring.rank(key)
         chosen = min(eligible, key=lambda s: (s.cost, rank.get(s.url, len(rank)), s.url))
-        most = max(s.reuse for s in scored)  # an offloaded block at its weight
-        branch = Branch.PREFIX if chosen.reuse == most else Branch.SPILL
+        most = max(s.weighted_blocks for s in scored)  # an offloaded block at its weight
+        branch = Branch.PREFIX if chosen.weighted_blocks == most else Branch.SPILL
         return Pick(chosen.url, branch, WHY[branch], ring_choice)

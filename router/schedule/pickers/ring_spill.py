@@ -75,7 +75,7 @@ class RingSpill(Picker):
         eligible = {}
         best = most = 0.0
         for s in scored:
-            m = s.reuse  # matched blocks, an offloaded one at its weight
+            m = s.weighted_blocks  # matched blocks, an offloaded one at its weight
             if m > most:
                 most = m
             if s.filtered is None:
@@ -104,7 +104,7 @@ class RingSpill(Picker):
             )
 
         cap, ttft_cap = self.cap, self.ttft_cap
-        held = [u for u in order if eligible[u].reuse == best]
+        held = [u for u in order if eligible[u].weighted_blocks == best]
         # Where the prefix's replica set stands: how many hold it, at which ring positions.
         note = f" [held by {len(held)} at ring positions {','.join([str(pos[u]) for u in held])}]"
         for u in held:
@@ -130,7 +130,7 @@ class RingSpill(Picker):
                     f"{stay.cost - eligible[u].cost:.0f} tokens (> the queue cap "
                     f"{self.cap:.0f}): next on the prefix's ring, position {pos[u]}"
                 )
-                branch = Branch.PREFIX if eligible[u].reuse == most else Branch.SPILL
+                branch = Branch.PREFIX if eligible[u].weighted_blocks == most else Branch.SPILL
                 return Pick(u, branch, why + note, owner, cause=SpillCause.QUEUE_CAP)
         if slow(stay.url):  # its wait is longer than the tokens say (decode, other gateways)
             for u in order:
@@ -140,9 +140,9 @@ class RingSpill(Picker):
                         f"first byte {cands[stay.url].ttft_s:.2f} s is over {self.ttft_cap:g} s: the "
                         f"next on the prefix's ring within both caps, position {pos[u]}"
                     )
-                    branch = Branch.PREFIX if eligible[u].reuse == most else Branch.SPILL
+                    branch = Branch.PREFIX if eligible[u].weighted_blocks == most else Branch.SPILL
                     return Pick(u, branch, why + note, owner, cause=SpillCause.OBSERVED_TTFT)
-        branch = Branch.PREFIX if stay.reuse == most else Branch.SPILL
+        branch = Branch.PREFIX if stay.weighted_blocks == most else Branch.SPILL
         why = (
             f"holders are over the cap {self.cap:.0f} but no spill saves more: the cheapest holder"
         )

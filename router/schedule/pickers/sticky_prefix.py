@@ -35,5 +35,7 @@ class StickyPrefix(Picker):
         if best == 0:
             cold = min(eligible, key=lambda s: (s.load, rank.get(s.url, len(rank)), s.url))
             return Pick(cold.url, Branch.RING, "no replica holds this prefix: the least loaded")
-        chosen = min(eligible, key=lambda s: (-s.reuse, rank.get(s.url, len(rank)), s.url))
+        chosen = min(
+            eligible, key=lambda s: (-s.weighted_blocks, rank.get(s.url, len(rank)), s.url)
+        )
         return Pick(chosen.url, Branch.PREFIX, "the replica holding the longest prefix, always")
