@@ -199,7 +199,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         type=float,
         help="prefill tokens of replica time per output token (decode load; default 0)",
     )
-    s.add_argument("--sim-gpu-blocks", type=int, help="KV blocks per replica (default 4096)")
+    s.add_argument(
+        "--sim-gpu-blocks",
+        type=int,
+        help="KV blocks per replica (default 4096; agentic and sessions: 32768, 512k tokens)",
+    )
+    s.add_argument(
+        "--sim-max-model-len",
+        type=int,
+        help="the replicas' context (default 40960; agentic and sessions: 131072, above the "
+        "context cap)",
+    )
     s.add_argument("--sim-block-size", type=int, help="block size (default 16)")
     s.add_argument(
         "--processes",
@@ -361,6 +371,9 @@ def _positions(args: argparse.Namespace) -> list[str | None]:
     return list(pos)
 
 
+LONG_CONTEXT_WORKLOADS = ("agentic", "sessions")
+
+
 def sim_overrides(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if getattr(args, "sim_instant", False):
@@ -371,10 +384,16 @@ def sim_overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("sim_decode_cost", "decode_cost_tokens"),
         ("sim_gpu_blocks", "num_gpu_blocks"),
         ("sim_block_size", "block_size"),
+        ("sim_max_model_len", "max_model_len"),
     ):
         v = getattr(args, flag, None)
         if v is not None:
             kw[key] = v
+    if getattr(args, "workload", None) in LONG_CONTEXT_WORKLOADS:
+        # Agent contexts grow to the cap (100k tokens): replicas that can hold them, as a
+        # vLLM server for agents is configured (Qwen3 is served up to 131072 with YaRN).
+        kw.setdefault("max_model_len", 131_072)
+        kw.setdefault("num_gpu_blocks", 32_768)
     return kw
 
 
@@ -426,6 +445,7 @@ def check_args(args: argparse.Namespace) -> None:
     at_least("--block-size", args.block_size, 1)
     at_least("--sim-block-size", args.sim_block_size, 1)
     at_least("--sim-gpu-blocks", args.sim_gpu_blocks, 1)
+    at_least("--sim-max-model-len", args.sim_max_model_len, 1)
     positive("--sim-prefill-tps", args.sim_prefill_tps)
     positive("--sim-decode-tps", args.sim_decode_tps)
     at_least("--sim-decode-cost", args.sim_decode_cost, 0)

@@ -242,3 +242,19 @@ async def test_messages_sessions_run_closed_loop_through_the_anthropic_sdk() -> 
             sent = json.dumps(after.spec.body["messages"])
             assert json.dumps(before.answer)[1:-1] in sent  # the answer came back
             assert after.cached_tokens and after.cached_tokens > 0  # its history was cached
+
+
+def test_simulated_replicas_for_agent_sessions_hold_a_context_past_the_cap() -> None:
+    """``--sim`` replicas for agent workloads take a context up to the cap (vLLM would refuse
+    a prompt past max_model_len with a 400) and hold several of them in KV."""
+    from argparse import Namespace
+
+    from loadtest.cli import sim_overrides
+
+    cap = ag.agentic_records(sessions=1)[0]["context_cap_tokens"]
+    for workload in ("agentic", "sessions"):
+        kw = sim_overrides(Namespace(workload=workload))
+        assert kw["max_model_len"] > cap + 4096
+        assert kw["num_gpu_blocks"] * 16 >= 4 * cap
+    assert sim_overrides(Namespace(workload="agentic", sim_gpu_blocks=100))["num_gpu_blocks"] == 100
+    assert "max_model_len" not in sim_overrides(Namespace(workload="multi_tenant"))

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from loadtest.sim.prefix_encode import PrefixEncoder
+
 
 class Unsupported(Exception):
     """A body this module does not render (the caller uses the full renderer)."""
@@ -81,6 +83,7 @@ class VllmChat:
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.encoder = PrefixEncoder(tokenizer)  # a long conversation's next turn: its new text
         self.template = chat_template or getattr(tokenizer, "chat_template", None)
         if not isinstance(self.template, str):
             self.template = None  # a dict of named templates, or none: leave to the renderer
@@ -117,7 +120,7 @@ class VllmChat:
         )
         # Chat prompts are encoded without the tokenizer's special tokens: the template put
         # them in (ChatCompletionRequest.add_special_tokens defaults to False).
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.encoder.encode(text)
 
     @staticmethod
     def _message(m: Any) -> dict[str, Any]:
