@@ -486,10 +486,78 @@ def plot_timeline(results: Sequence[RunResult], path: Path, *, max_colours: int 
     plt.close(fig)
 
 
+def plot_ttft_by_context(results: Sequence[RunResult], path: Path) -> None:
+    """TTFT against the prompt's size: where a long context recomputed on the wrong replica
+    shows (agent sessions' later turns)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        pts = [
+            (x.prompt_tokens, 1000 * x.ttft_s)
+            for x in r.records
+            if x.ok and x.prompt_tokens and x.ttft_s is not None
+        ]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.scatter(xs, ys, s=8, alpha=0.5, label=f"{r.label} (n={len(pts)})")
+    ax.set_title("Time to first token by prompt size")
+    ax.set_xlabel("prompt tokens (the replica's usage)")
+    ax.set_ylabel("TTFT ms (client-side)")
+    ax.grid(True, alpha=0.3)
+    if ax.has_data():
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+HIT_WINDOW = 50  # requests per point of the hit rate over time
+
+
+def plot_hit_rate_over_time(results: Sequence[RunResult], path: Path) -> None:
+    """The replicas' reported hit rate (cached / prompt tokens of the answers) over the run,
+    ``HIT_WINDOW`` requests a point, beside the ideal of the same requests: a policy that
+    keeps up shows the gap staying flat as sessions come and go."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        recs = [
+            x
+            for x in r.records
+            if x.ok and x.prompt_tokens and x.cached_tokens is not None and x.sent_s is not None
+        ]
+        recs.sort(key=lambda x: x.sent_s or 0.0)
+        xs, ys, ideal = [], [], []
+        for i in range(0, len(recs) - HIT_WINDOW + 1, max(1, HIT_WINDOW // 2)):
+            win = recs[i : i + HIT_WINDOW]
+            prompt = sum(x.prompt_tokens or 0 for x in win)
+            xs.append(win[-1].sent_s)
+            ys.append(100 * sum(x.cached_tokens or 0 for x in win) / prompt)
+            if all(x.ideal_cached_tokens is not None for x in win):
+                ideal.append(100 * sum(x.ideal_cached_tokens or 0 for x in win) / prompt)
+        if xs:
+            line = ax.plot(xs, ys, label=r.label)[0]
+            if len(ideal) == len(xs):
+                ax.plot(xs, ideal, "--", color=line.get_color(), alpha=0.6)
+    ax.set_title(f"Hit rate over time ({HIT_WINDOW} requests a point; dashed = ideal)")
+    ax.set_xlabel("send time (s from start)")
+    ax.set_ylabel("cached / prompt tokens (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(True, alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 PLOTS = {
     "ttft_cdf.png": plot_cdfs,
     "hit_rate_per_replica.png": plot_hit_rates,
     "timeline.png": plot_timeline,
+    "ttft_by_context.png": plot_ttft_by_context,
+    "hit_rate_over_time.png": plot_hit_rate_over_time,
 }
 
 

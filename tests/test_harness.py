@@ -65,6 +65,8 @@ async def test_round_robin_run_writes_a_report_from_the_replicas_counters(tmp_pa
         "ttft_cdf.png",
         "hit_rate_per_replica.png",
         "timeline.png",
+        "ttft_by_context.png",
+        "hit_rate_over_time.png",
     ):
         assert (out / name).stat().st_size > 0, name
     lines = (out / "requests.jsonl").read_text().splitlines()
