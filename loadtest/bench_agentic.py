@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from loadtest import benchkit, workloads
-from loadtest.metrics_scrape import parse_prometheus
+from loadtest.metrics_scrape import gateway_counters
 from loadtest.procs import (
     Proc,
     free_port,
@@ -51,7 +51,7 @@ GATEWAY_RUNS = ("ring_spill", "round_robin", "consistent_hash")
 PEER_RUNS = ("vllm_router", "smg")
 RUNS = GATEWAY_RUNS + PEER_RUNS
 MAX_MODEL_LEN = 131_072
-WASTE = ("prefix_router_reuse_available_tokens_total", "prefix_router_reuse_captured_tokens_total")
+WASTE = ("reuse:available", "reuse:captured")  # metrics_scrape.gateway_counters' keys
 
 
 @dataclass
@@ -84,11 +84,9 @@ def _peer(run: str, urls: list[str]) -> Proc | None:
     return None
 
 
-async def _gateway_counters(url: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
-        text = await resp.text()
-    page = parse_prometheus(text)
-    return {name: sum(value for _, value in page[name]) for name in WASTE if name in page}
+async def _reuse(url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s:
+        return await gateway_counters(s, url) or {}
 
 
 def _by_context(res: RunResult) -> list[tuple[str, dict[str, float]]]:
@@ -147,7 +145,7 @@ async def one_run(run: str, seed: int, a: argparse.Namespace) -> Row | None:
         procs.append(router)
         await wait_ready(router.url, ready, proc=router)
         workload = workloads.build("agentic", **kw)
-        before = await _gateway_counters(router.url) if run in GATEWAY_RUNS else {}
+        before = await _reuse(router.url) if run in GATEWAY_RUNS else {}
         t0 = time.perf_counter()
         res = await run_workload(
             GatewayTarget(router.url, urls),
@@ -160,10 +158,10 @@ async def one_run(run: str, seed: int, a: argparse.Namespace) -> Row | None:
             seed=seed,
         )
         seconds = time.perf_counter() - t0
-        after = await _gateway_counters(router.url) if run in GATEWAY_RUNS else {}
+        after = await _reuse(router.url) if run in GATEWAY_RUNS else {}
     unused = None
     if all(k in after for k in WASTE):  # a gateway that counts reuse (issue 44)
-        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in WASTE}
+        delta = {k: after[k] - before.get(k, 0.0) for k in WASTE}
         unused = delta[WASTE[0]] - delta[WASTE[1]]
     return Row(
         seed,

@@ -121,6 +121,12 @@ async def gateway_counters(
         for labels, value in page.get(metric, []):
             key = f"{kind}:{labels.get(label, '')}"
             out[key] = out.get(key, 0.0) + value
+    # Reuse in the gateway's three numbers (docs/diagnostics.md), summed over models and
+    # tenants: available - captured is what its routing left unused.
+    for what in ("prompt", "available", "captured", "delivered"):
+        metric = f"prefix_router_reuse_{what}_tokens_total"
+        if metric in page:
+            out[f"reuse:{what}"] = sum(value for _, value in page[metric])
     return out
 
 

@@ -163,6 +163,25 @@ def version_line() -> str:
     return f"prefix-router {__version__}{commit}, Python {platform.python_version()}"
 
 
+def reuse_line(counters: dict[str, float]) -> str | None:
+    """The gateway's reuse over the run: what the fleet held, what routing captured, what the
+    engines delivered, and the prompt tokens recomputed because a request went where its
+    prefix was not (available - captured)."""
+    if not all(f"reuse:{k}" in counters for k in ("prompt", "available", "captured")):
+        return None
+    prompt, available = counters["reuse:prompt"], counters["reuse:available"]
+    captured, delivered = counters["reuse:captured"], counters.get("reuse:delivered")
+    if prompt <= 0:
+        return None
+    left = max(0.0, available - captured)
+    return (
+        f"Reuse (the gateway's counters, prompt tokens): available in the fleet {available:,.0f} "
+        f"({available / prompt:.1%}), captured by routing {captured:,.0f} ({captured / prompt:.1%})"
+        + (f", delivered by the replicas {delivered:,.0f}" if delivered is not None else "")
+        + f"; recomputed because of where requests went: {left:,.0f} ({left / prompt:.1%})."
+    )
+
+
 def placement_lines(r: RunResult) -> list[str]:
     """Where each prefix group went: its replica set, and (through a gateway) the decisions
     and spills behind it. What explains a replica far above the mean load."""
@@ -198,6 +217,8 @@ def placement_lines(r: RunResult) -> list[str]:
             + (", ".join(f"{k} {v:.0f}" for k, v in sorted(spills.items()) if v) or "none")
             + "."
         )
+        if (line := reuse_line(r.gateway_counters)) is not None:
+            out.append(line)
     out += ["", "| group | requests | share | replicas (requests) |", "|---|---|---|---|"]
     hottest = sorted(sets.items(), key=lambda kv: -sum(kv[1].values()))[:8]
     for group, c in hottest:

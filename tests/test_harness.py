@@ -341,3 +341,21 @@ async def test_report_shows_a_gateways_spills_and_replica_sets(tmp_path, fleet, 
     assert "| replica | requests | groups | hottest group's share |" in summary
     data = json.loads((tmp_path / "rep" / "summary.json").read_text())["runs"][0]
     assert sum(data["replica_set_sizes"].values()) == len(sets)
+
+
+def test_the_report_says_what_reuse_the_gateways_routing_left_unused():
+    from loadtest.report import reuse_line
+
+    assert reuse_line({}) is None  # a gateway that does not count reuse, or a client policy
+    counters = {
+        "reuse:prompt": 10_000.0,
+        "reuse:available": 8_000.0,
+        "reuse:captured": 7_000.0,
+        "reuse:delivered": 6_900.0,
+    }
+    line = reuse_line(counters)
+    assert line is not None
+    assert "available in the fleet 8,000 (80.0%)" in line
+    assert "captured by routing 7,000 (70.0%)" in line
+    assert "delivered by the replicas 6,900" in line
+    assert line.endswith("requests went: 1,000 (10.0%).")
