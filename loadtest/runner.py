@@ -68,6 +68,25 @@ def default_renderer(path: str | Path | None = None) -> Any:
     return get_renderer(str(path or bundled_tokenizer_dir()))
 
 
+_IDEAL_RENDERERS: dict[str, Any] = {}
+
+
+def ideal_renderer(path: str | Path | None = None) -> Any:
+    """The renderer the ideal replays prompts with: ``router.prompt.Renderer`` with its segment
+    cache and prefix states, whose ids are the whole-prompt path's (the gateway's own
+    token-exactness; tests/test_agentic.py checks it on agent sessions) for a fraction of the
+    work on a growing conversation: 60 agent prompts growing to 103k tokens took 12.6 s on the
+    plain path, 0.3 s on this one."""
+    key = str(path or bundled_tokenizer_dir())
+    r = _IDEAL_RENDERERS.get(key)
+    if r is None:
+        from loadtest.sim.vllm_chat import load_tokenizer
+        from router.prompt.renderer import Renderer
+
+        r = _IDEAL_RENDERERS[key] = Renderer(load_tokenizer(key))
+    return r
+
+
 # ---------------------------------------------------------------------------------------------
 # targets
 
@@ -979,7 +998,7 @@ def attach_ideal(result: RunResult, renderer: Any | None = None) -> None:
     rs = [r for r in result.records if r.ok and r.spec is not None]
     needs_renderer = any(r.spec.token_ids_fn is None or r.answer for r in rs if r.spec)
     if needs_renderer and renderer is None:
-        renderer = default_renderer()
+        renderer = ideal_renderer()
     reqs = []
     mismatched = 0
     for r in rs:

@@ -53,9 +53,11 @@ class RequestSpec:
         if self.endpoint == "messages":  # rendered as the gateway and vLLM render it: as chat
             from router.api.anthropic import to_chat
 
-            return list(renderer.tokenize_chat(to_chat(body)))
-        if self.endpoint == "chat":
-            return list(renderer.tokenize_chat(body))
+            body, endpoint = to_chat(body), "chat"
+        else:
+            endpoint = self.endpoint
+        if endpoint == "chat":  # the segment path where the renderer has one (same ids)
+            return list(renderer.chat_ids(body))
         return list(renderer.tokenize_completion(body["prompt"]))
 
 

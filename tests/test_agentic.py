@@ -15,7 +15,7 @@ from loadtest import agentic as ag
 from loadtest import workloads as wl
 from loadtest.replica import SimConfig, run_replicas
 from loadtest.report import ttft_by
-from loadtest.runner import ClientTarget, default_renderer, run_workload
+from loadtest.runner import ClientTarget, default_renderer, ideal_renderer, run_workload
 from loadtest.spec import RequestSpec
 
 TRACE = Path(__file__).resolve().parents[1] / "loadtest" / "data"
@@ -208,6 +208,8 @@ def test_messages_sessions_send_the_same_history_through_anthropics_api() -> Non
         assert all(msg["role"] in ("user", "assistant") for msg in m.body["messages"])
         assert renderer.tokenize_chat(to_chat(m.body)) == renderer.tokenize_chat(c.body)
         assert m.prompt_token_ids(renderer) == c.prompt_token_ids(renderer)
+        # The ideal's renderer (segment cache, prefix states) gives the whole path's ids.
+        assert c.prompt_token_ids(ideal_renderer()) == renderer.tokenize_chat(c.body)
     assert apis == {"chat", "messages"}
     with pytest.raises(ValueError):
         ag.agentic_records(messages_share=1.5)
