@@ -519,3 +519,31 @@ async def test_a_responses_follow_up_goes_where_its_previous_response_is_stored(
     got = await envoy.post("/v1/responses", {**follow, "previous_response_id": first.json()["id"]})
     assert got.status == 200, got.body
     assert "http://" + got.served == stored
+
+
+@pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
+async def test_the_benchmarks_do_nothing_processor_plays_the_pickers_part(fleet, mode):
+    """loadtest/null_picker.py, the benchmark's baseline for what the gRPC conversation costs:
+    the same messages as the picker's, so the stand-in relays through it as through the
+    picker, body unchanged, the answer passed back whole."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from loadtest.null_picker import NullPicker
+
+    (replica,) = await fleet(1)
+    endpoint = replica.url.removeprefix("http://")
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(NullPicker([endpoint]), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    envoy = EnvoyStandIn(f"127.0.0.1:{port}", mode)
+    try:
+        body = chat_body("nothing decided here")
+        got = await envoy.post(CHAT, body)
+    finally:
+        await envoy.close()
+        await server.stop(None)
+    assert got.status == 200 and got.pick == got.served == got.metadata_pick == endpoint
+    assert json.loads(got.sent_body) == body
+    assert got.json()["usage"]["completion_tokens"] > 0
