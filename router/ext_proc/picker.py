@@ -27,6 +27,7 @@ from multidict import CIMultiDict
 
 from router.api import anthropic
 from router.core.errors import APIError
+from router.disagg.roles import in_pool
 from router.ext_proc import protocol
 from router.ext_proc.conversation import Conversation
 from router.ext_proc.transport import EnvoyLeg, endpoint_of, request_mutation
@@ -226,7 +227,8 @@ class Picker(pb_grpc.ExternalProcessorServicer):
 
     def fallbacks(self, model: str, only: frozenset[str] | None) -> Any:
         """The replicas Envoy may try after a primary that refuses the connection: the other
-        healthy replicas of the model, least loaded first."""
+        healthy replicas of the model that can serve what Envoy sends (the whole request, or
+        a disaggregated request's decode leg: never a prefill replica), least loaded first."""
 
         def after(primary: str) -> list[str]:
             fleet = self.gw.fleet
@@ -234,7 +236,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             others = [
                 r
                 for r in fleet.serving(model)
-                if r.url != primary and (only is None or r.url in only)
+                if r.url != primary and in_pool(r, "decode") and (only is None or r.url in only)
             ]
             others.sort(key=lambda r: (r.pending_requests, r.inflight))
             return [r.url for r in others[:MAX_FALLBACKS]]
