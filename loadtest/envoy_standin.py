@@ -8,7 +8,8 @@ mutation_utils.cc): request headers first (lower-case keys, pseudo-headers, valu
 ``raw_value``), then in FULL_DUPLEX_STREAMED the body chunks without waiting, in BUFFERED the
 whole body once the headers are answered; header mutations applied (never to pseudo-headers or
 ``host``); the destination read from ``x-gateway-destination-endpoint``, primary first, the
-next tried when a connection is refused; the response headers with the served endpoint in
+next tried when a connection is refused (and, with ``retry_on``, when it answers one of those
+statuses, as a route's retry policy makes Envoy do: HTTPRoute ``retry.codes``); the response headers with the served endpoint in
 ``envoy.lb`` metadata, then each upstream chunk as it comes; an immediate response answered to
 the client as is.
 """
@@ -82,10 +83,18 @@ def _apply(target: CIMultiDict[str], mutation: pb.HeaderMutation) -> None:
 
 
 class EnvoyStandIn:
-    def __init__(self, target: str, mode: int = protocol.FULL_DUPLEX) -> None:
+    def __init__(
+        self,
+        target: str,
+        mode: int = protocol.FULL_DUPLEX,
+        retry_on: frozenset[int] = frozenset(),
+    ) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
         self.mode = mode
+        # Statuses retried on the pick's next endpoint before anything reaches the client
+        # (Envoy's retriable-status-codes, the override_host policy walking the list).
+        self.retry_on = retry_on
         self.session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -235,11 +244,15 @@ class EnvoyStandIn:
             for k, v in client.items()
             if not k.startswith(":") and k.lower() not in ("host", protocol.DESTINATION)
         )
-        for endpoint in [e.strip() for e in pick.split(",") if e.strip()]:
+        endpoints = [e.strip() for e in pick.split(",") if e.strip()]
+        for n, endpoint in enumerate(endpoints):
             try:
                 resp = await session.post(f"http://{endpoint}{path}", data=body, headers=upstream)
             except aiohttp.ClientConnectorError:
                 continue  # refused: the next endpoint, as Envoy's ORIGINAL_DST retry does
+            if resp.status in self.retry_on and n + 1 < len(endpoints):
+                resp.release()  # retried on the next endpoint; the picker never sees it
+                continue
             async with resp:
                 return await self._respond(
                     call, resp, endpoint, client, body, pick, metadata_pick, picked, response_mode

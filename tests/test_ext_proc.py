@@ -547,3 +547,34 @@ async def test_the_benchmarks_do_nothing_processor_plays_the_pickers_part(fleet,
     assert got.status == 200 and got.pick == got.served == got.metadata_pick == endpoint
     assert json.loads(got.sent_body) == body
     assert got.json()["usage"]["completion_tokens"] > 0
+
+
+async def test_a_503_retried_by_envoy_on_a_fallback_is_booked_where_it_went(fleet, gateway):
+    """A route retry policy (HTTPRoute ``retry.codes``, or the gateway class's own policy)
+    makes Envoy retry a replica's 502/503 on the pick's next endpoint: the picker's
+    fallbacks. The picker hears only the final answer and where it came from, and books the
+    request there, the primary's blocks taken back, as for a refused connection."""
+    replicas = await fleet(3)
+    urls = [r.url for r in replicas]
+    running = await gateway(urls, ext_proc_port=0)
+    gw = running.gateway
+    envoy = EnvoyStandIn(f"127.0.0.1:{running.ext_proc_port}", retry_on=frozenset({502, 503}))
+    try:
+        body = chat_body("a prefix whose replica will be busy")
+        rr = await gw.path.prepare(json.dumps(body).encode(), {}, "chat", "probe", None)
+        home = (await gw.path.decide(rr)).replica
+        replicas[urls.index(home)].fail_next(1, 503)
+        got = await envoy.post(CHAT, body)
+    finally:
+        await envoy.close()
+    assert got.status == 200, got.body
+    endpoints = got.pick.split(",")
+    assert "http://" + endpoints[0] == home and got.served == endpoints[1]
+    assert got.headers[REPLICA_HDR] == "http://" + got.served
+    assert cached(got.body) == int(got.headers[BLOCKS_HDR]) * BLOCK
+    held = await gw.index.match(rr.block_hashes, urls)
+    assert held["http://" + got.served] == len(rr.block_hashes) and held[home] == 0
+    assert gw.fleet is not None
+    assert all(r.inflight == 0 and r.pending_requests == 0 for r in gw.fleet.replicas.values())
+    page = gw.metrics.exposition().decode()
+    assert f'prefix_router_retries_total{{replica="{home}"' in page
