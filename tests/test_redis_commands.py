@@ -82,6 +82,7 @@ async def test_a_request_costs_one_round_trip_and_at_most_three_commands(
         calls.pop(admin, None)
     requests = len(bodies) - 5
     assert on_path == requests, (on_path, calls)  # the match, nothing else
-    assert calls["evalsha"] == 1, calls  # one batch
+    assert calls["evalsha"] == requests + 1, calls  # the matches, then one batch
+    assert calls["hmget"] == requests + 1, calls  # each script's one read
     assert sum(calls.values()) <= 3 * requests, calls
     assert index.fallbacks == 0

@@ -11,8 +11,8 @@ Key layout (``router/index/map_scripts.py`` has the value formats)::
 Why: the sorted-set layout (router/index/redis.py) asked one ``ZSCORE`` per probe of each
 candidate's binary search inside its match script and ran ~8 commands per record, about 25
 commands per request in all (``INFO commandstats``). Here a match is one command for all
-candidates (``HMGET`` of the prompt's blocks: Redis does O(n) lookups, the candidates' runs are
-found here by the same binary search ``MemoryIndex`` does), and records, forgets and capacity
+candidates (a script running one ``HMGET`` of the prompt's blocks: Redis does O(n) lookups,
+then each candidate's run by the binary search ``MemoryIndex`` does), and records, forgets and capacity
 changes are queued and sent as one script call per model every ``flush_interval_s`` or
 ``flush_ops`` operations, whichever comes first: a few commands for the whole batch.
 
@@ -41,7 +41,7 @@ from typing import Any
 from router.core.redis_client import Client, aclose
 from router.core.redis_client import ping as ping_client
 from router.index.keys import ModelKeys
-from router.index.map_scripts import DROP, FLUSH, script
+from router.index.map_scripts import DROP, FLUSH, MATCH, script
 from router.index.memory import DEFAULT_CAPACITY_BLOCKS
 
 log = logging.getLogger(__name__)
@@ -57,36 +57,6 @@ TTL_REFRESH_S = 60.0
 
 def replica_id(url: str) -> bytes:
     return hashlib.blake2b(url.encode(), digest_size=4).digest()
-
-
-def holds(value: bytes | None, rid: bytes) -> bool:
-    """Whether a holders value (12-byte entries) names replica ``rid``."""
-    if not value:
-        return False
-    i = value.find(rid)
-    while i >= 0:
-        if i % 12 == 0:
-            return True
-        i = value.find(rid, i + 1)
-    return False
-
-
-def leading(values: Sequence[bytes | None], rid: bytes) -> int:
-    """The leading run of blocks whose holders name ``rid``, by ``MemoryIndex``'s binary search
-    (the same probes, so the same answer on the same held set)."""
-    n = len(values)
-    if n == 0 or not holds(values[0], rid):
-        return 0
-    if holds(values[n - 1], rid):
-        return n
-    lo, hi = 1, n - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(values[mid], rid):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -175,6 +145,7 @@ class RedisMapIndex:
         self.flush_ops = max(1, flush_ops)
         self._flush = client.register_script(script(FLUSH))
         self._drop = client.register_script(script(DROP))
+        self._match = client.register_script(script(MATCH))
         self._capacity: dict[str, int] = {}  # capacities this gateway set (stored back)
         self._sizes: dict[str, int] = {}
         self._ids: dict[str, bytes] = {}
@@ -217,21 +188,26 @@ class RedisMapIndex:
         if not n:
             return dict.fromkeys(replicas, 0)
         blob = struct.pack(f"<{n}Q", *block_hashes)
-        fields = [blob[i : i + 8] for i in range(0, 8 * n, 8)]
         by_key: dict[str, list[str]] = {}
         for r in replicas:
             by_key.setdefault(self.map_key(r), []).append(r)
-        keys = list(by_key)
-        if len(keys) == 1:  # the rule: a request's candidates serve one model
-            answers = [await self.client.hmget(keys[0], fields)]
+        groups = list(by_key.items())
+
+        async def ask(key: str, group: list[str]) -> list[int]:
+            return await self._match(keys=[key], args=[blob, *(self.rid(r) for r in group)])
+
+        if len(groups) == 1:  # the rule: a request's candidates serve one model
+            answers = [await ask(*groups[0])]
         else:
-            answers = await asyncio.gather(*(self.client.hmget(k, fields) for k in keys))
-        values: dict[str, Any] = {  # bytes (the client decodes no replies), or None
-            r: a for k, a in zip(keys, answers, strict=True) for r in by_key[k]
+            answers = await asyncio.gather(*(ask(k, g) for k, g in groups))
+        runs = {
+            r: int(c)
+            for (_, g), a in zip(groups, answers, strict=True)
+            for r, c in zip(g, a, strict=True)
         }
         out = {}
         for r in replicas:
-            run = leading(values[r], self.rid(r))
+            run = runs[r]
             for batch in (self._flushing, self._pending):
                 if batch is not None:
                     run = batch.overlay(r, block_hashes, run)
