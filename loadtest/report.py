@@ -171,7 +171,7 @@ def reuse_line(counters: dict[str, float]) -> str | None:
         return None
     prompt, available = counters["reuse:prompt"], counters["reuse:available"]
     captured, delivered = counters["reuse:captured"], counters.get("reuse:delivered")
-    if prompt <= 0:
+    if prompt <= 0 or available <= 0:  # nothing held, or a policy that never reads the index
         return None
     left = max(0.0, available - captured)
     return (

@@ -347,6 +347,8 @@ def test_the_report_says_what_reuse_the_gateways_routing_left_unused():
     from loadtest.report import reuse_line
 
     assert reuse_line({}) is None  # a gateway that does not count reuse, or a client policy
+    blind = {"reuse:prompt": 100.0, "reuse:available": 0.0, "reuse:captured": 0.0}
+    assert reuse_line(blind) is None  # a policy that never reads the index
     counters = {
         "reuse:prompt": 10_000.0,
         "reuse:available": 8_000.0,
