@@ -105,8 +105,9 @@ class Learner:
             replica.ttft.observe(outcome.first_byte_s)
         predicted = decision.matched_blocks * rr.block_size
         self.metrics.child(self.metrics.predicted_cached_tokens, rr.tenant).inc(predicted)
+        skips = skips_cache_read(rr.body, rr.endpoint)  # its report says nothing of the cache
         if relayed:  # a disaggregated request's answer is its decode leg's
-            reuse.account(self.metrics, rr, decision, outcome)
+            reuse.account(self.metrics, rr, decision, outcome, skips)
         if rr.model_entry is not None:
             self.upkeep.learn(rr.model_entry, predicted, outcome.cached_tokens)
         for observer in self.observers:
@@ -116,7 +117,7 @@ class Learner:
             return
         reported = outcome.cached_tokens
         self.metrics.child(self.metrics.reported_cached_tokens, rr.tenant).inc(reported)
-        if skips_cache_read(rr.body, rr.endpoint):
+        if skips:
             return  # served without reading the cache: its report says nothing about it
         self.metrics.prediction_error.observe(predicted - reported)
         kv_events = self.wiring.kv_events

@@ -271,11 +271,14 @@ class RequestPath(Preparation):
                     matches, tiers = await self._match(latest, urls)
         if slot is not None and policy.uses_index and not any(matches.values()):
             replicas = [r for r in replicas if r.url == slot] or replicas
-        weight = self.config.kv_events.kv_events_offload_weight
-        decision = policy.choose(
-            latest,
-            [r.candidate(matches.get(r.url, 0), tiers.get(r.url, 0), weight) for r in replicas],
-        )
+        if tiers:  # precise mode with an offload tier: what each candidate would load
+            weight = self.config.kv_events.kv_events_offload_weight
+            candidates = [
+                r.candidate(matches.get(r.url, 0), tiers.get(r.url, 0), weight) for r in replicas
+            ]
+        else:
+            candidates = [r.candidate(matches.get(r.url, 0)) for r in replicas]
+        decision = policy.choose(latest, candidates)
         if latest.lora is not None:
             self.upkeep.plan_adapter(latest, decision.replica)  # loaded there first
         fleet = self.wiring.opened

@@ -18,23 +18,29 @@ nothing about the cache.
 
 from __future__ import annotations
 
-from router.intake.parse import skips_cache_read
+from operator import attrgetter
+
 from router.intake.routed_request import RoutedRequest
 from router.schedule import Decision
 from router.telemetry.metrics import Metrics
 from router.upstream.proxy import Outcome
 
+_MATCHED = attrgetter("matched_blocks")
 
-def account(metrics: Metrics, rr: RoutedRequest, decision: Decision, outcome: Outcome) -> None:
-    if outcome.status >= 400 or skips_cache_read(rr.body, rr.endpoint):
+
+def account(
+    metrics: Metrics, rr: RoutedRequest, decision: Decision, outcome: Outcome, skips: bool
+) -> None:
+    """Count an answered request's reuse. ``skips``: it was served without reading the cache
+    (``skips_cache_read``, which the learner reads once for this and for itself)."""
+    if outcome.status >= 400 or skips:
         return
-    bs, model, tenant = rr.block_size, rr.model, rr.tenant
+    bs = rr.block_size
     captured = decision.matched_blocks
-    available = max(captured, max((s.matched_blocks for s in decision.scores), default=0))
-    m = metrics
-    m.child(m.reuse_prompt_tokens, model, tenant).inc(rr.num_tokens)
-    m.child(m.reuse_available_tokens, model, tenant).inc(available * bs)
-    m.child(m.reuse_captured_tokens, model, tenant).inc(captured * bs)
+    available = max(captured, max(map(_MATCHED, decision.scores), default=0))
+    prompt, held, chosen, reported = metrics.reuse_series(rr.model, rr.tenant)
+    prompt.inc(rr.num_tokens)
+    held.inc(available * bs)
+    chosen.inc(captured * bs)
     if outcome.cached_tokens is not None:
-        delivered = min(outcome.cached_tokens, rr.num_tokens)
-        m.child(m.reuse_delivered_tokens, model, tenant).inc(delivered)
+        reported.inc(min(outcome.cached_tokens, rr.num_tokens))

@@ -53,6 +53,7 @@ class Metrics:
         # (metric, label values) -> child: prometheus_client's labels() validates and locks
         # on every call (~1.2 us, several per request); children are never removed here.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._reuse: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         self.requests = LoopCounter(
             "prefix_router_requests",
             "Requests by replica, policy and outcome",
@@ -356,6 +357,20 @@ class Metrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*values)
+        return found
+
+    def reuse_series(self, model: str, tenant: str) -> tuple[Any, Any, Any, Any]:
+        """The four reuse series of ``model`` and ``tenant`` (prompt, available, captured,
+        delivered), memoised together: one lookup a request instead of four."""
+        key = (model, tenant)
+        found = self._reuse.get(key)
+        if found is None:
+            found = self._reuse[key] = (
+                self.reuse_prompt_tokens.labels(model, tenant),
+                self.reuse_available_tokens.labels(model, tenant),
+                self.reuse_captured_tokens.labels(model, tenant),
+                self.reuse_delivered_tokens.labels(model, tenant),
+            )
         return found
 
     @property
