@@ -190,6 +190,11 @@ class Envoy:
         self.relay_url = relay_url
         self.picker_url = picker_url
 
+    def stop(self) -> None:
+        self.proc.stop()
+        if self.proc.stderr is not None:
+            self.proc.stderr.unlink(missing_ok=True)
+
 
 def _hostport(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.removeprefix("http://").rpartition(":")

