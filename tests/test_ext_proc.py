@@ -314,7 +314,8 @@ async def test_a_refused_primary_is_booked_where_envoy_went_instead(fleet, gatew
     replicas = await fleet(3)
     urls = [r.url for r in replicas]
     # Health checks far apart: the gateway still thinks the stopped replica is up.
-    running = await gateway(urls, health_interval_s=60, ext_proc_port=0)
+    # Fallbacks named (ext_proc_fallbacks), as for a gateway whose pool reads the list.
+    running = await gateway(urls, health_interval_s=60, ext_proc_port=0, ext_proc_fallbacks=2)
     envoy = await picker(running)
     gw = running.gateway
 
@@ -556,7 +557,7 @@ async def test_a_503_retried_by_envoy_on_a_fallback_is_booked_where_it_went(flee
     request there, the primary's blocks taken back, as for a refused connection."""
     replicas = await fleet(3)
     urls = [r.url for r in replicas]
-    running = await gateway(urls, ext_proc_port=0)
+    running = await gateway(urls, ext_proc_port=0, ext_proc_fallbacks=2)
     gw = running.gateway
     envoy = EnvoyStandIn(f"127.0.0.1:{running.ext_proc_port}", retry_on=frozenset({502, 503}))
     try:

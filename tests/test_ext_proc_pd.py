@@ -25,6 +25,7 @@ async def test_both_legs_through_the_picker_and_fallbacks_that_decode(
         decode_replicas=[d1.url, d2.url],
         decision_headers=True,
         ext_proc_port=0,
+        ext_proc_fallbacks=2,
     )
     envoy = EnvoyStandIn(f"127.0.0.1:{running.ext_proc_port}")
     try:

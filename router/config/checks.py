@@ -61,6 +61,8 @@ def problems(config: Config) -> list[str]:
         problems.append(
             f"ext_proc_port must be 0..65535 and differ from port and metrics_port, got {ext_proc}"
         )
+    if not 0 <= config.server.ext_proc_fallbacks <= 8:
+        problems.append(f"ext_proc_fallbacks must be 0..8, got {config.server.ext_proc_fallbacks}")
     if config.routing.block_size is not None and config.routing.block_size <= 0:
         problems.append(f"block_size must be positive, got {config.routing.block_size}")
     from router.intake.held import HELD_FACTOR

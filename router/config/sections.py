@@ -43,6 +43,13 @@ class Server:
         "also serve Envoy's ext_proc on this port as a Gateway API Inference Extension "
         "endpoint picker, with gRPC health (needs the ext-proc extra; 0: a free port)",
     )
+    ext_proc_fallbacks: int = _opt(
+        0,
+        "endpoints the picker names after its pick in x-gateway-destination-endpoint, for "
+        "Envoy to try when the pick refuses; 0 for gateways whose pool is an ORIGINAL_DST "
+        "cluster on that header (llm-d's chart, kgateway, Envoy AI Gateway), which takes "
+        "one host:port and answers 503 to a list",
+    )
     log_level: str = _opt("info", "debug, info, warning or error")
     workers: int = _opt(
         1,

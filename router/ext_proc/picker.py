@@ -46,7 +46,6 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/responses": "responses",
 }
 CODINGS = ("", "identity", "gzip", "x-gzip", "deflate")
-MAX_FALLBACKS = 2
 
 
 def _request_id(headers: Mapping[str, str]) -> str:
@@ -239,7 +238,10 @@ class Picker(pb_grpc.ExternalProcessorServicer):
                 if r.url != primary and in_pool(r, "decode") and (only is None or r.url in only)
             ]
             others.sort(key=lambda r: (r.pending_requests, r.inflight))
-            return [r.url for r in others[:MAX_FALLBACKS]]
+            # ext_proc_fallbacks, 0 by default: an ORIGINAL_DST cluster reading the header
+            # takes one host:port (envoy original_dst_cluster.cc, "invalid override header
+            # value") and every GIE gateway seen routes a pool through one.
+            return [r.url for r in others[: self.gw.config.server.ext_proc_fallbacks]]
 
         return after
 
