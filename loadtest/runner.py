@@ -635,6 +635,8 @@ async def _do_messages(
             rec.status, headers = raw.status_code, raw.headers
             _read_headers(rec, headers)
             final = raw.parse()
+            if inspect.isawaitable(final):  # the async client's raw response parses async
+                final = await final
         rec.end_s = now() - t0
         _apply_messages_usage(rec, final.usage)
         rec.answer = "".join(b.text for b in final.content if getattr(b, "type", "") == "text")

@@ -260,3 +260,22 @@ def test_simulated_replicas_for_agent_sessions_hold_a_context_past_the_cap() -> 
         assert kw["num_gpu_blocks"] * 16 >= 4 * cap
     assert sim_overrides(Namespace(workload="agentic", sim_gpu_blocks=100))["num_gpu_blocks"] == 100
     assert "max_model_len" not in sim_overrides(Namespace(workload="multi_tenant"))
+
+
+async def test_messages_sessions_without_streaming_read_the_whole_answer() -> None:
+    """``--no-stream``: the SDK's raw response parsed whole (no first token: no TTFT)."""
+    workload = small(seed=8, sessions=2, turns=(2, 3), messages_share=1.0, subagent_share=0.0)
+    fast = SimConfig(prefill_tokens_per_s=2_000_000.0, decode_tokens_per_s=20_000.0)
+    async with run_replicas(1, fast) as reps:
+        res = await run_workload(
+            ClientTarget([r.url for r in reps], "round_robin"),
+            workload,
+            concurrency=2,
+            max_seconds=30,
+            request_timeout_s=10,
+            progress=False,
+            compute_ideal=False,
+            stream=False,
+        )
+    assert res.ok == res.sent == workload.planned_requests
+    assert all(r.answer and r.prompt_tokens and r.ttft_s is None for r in res.records)
