@@ -1,6 +1,6 @@
 """The ideal hit rate: what one unlimited prefix cache would reuse on the same token sequences.
 
-vLLM's rules (see /work/shared/reference/vllm.md):
+vLLM's rules (vllm/v1/core/kv_cache_manager.py, kv_cache_utils.py; docs/load-testing.md):
 
 - only full blocks are cached and looked up; a partial last block is always recomputed;
 - a hit is the longest run of cached blocks from block 0 (chained hashes: the first miss ends
