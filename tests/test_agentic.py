@@ -33,6 +33,19 @@ def small(**kw: Any) -> wl.Workload:
     return wl.build("agentic", **{**base, **kw})
 
 
+async def run_on_sims(workload: wl.Workload, replicas: int, **kw: Any) -> Any:
+    """Run ``workload`` round robin over fast simulated replicas (no ideal computed)."""
+    fast = SimConfig(prefill_tokens_per_s=2_000_000.0, decode_tokens_per_s=20_000.0)
+    async with run_replicas(replicas, fast) as reps:
+        return await run_workload(
+            ClientTarget([r.url for r in reps], "round_robin"),
+            workload,
+            progress=False,
+            compute_ideal=False,
+            **kw,
+        )
+
+
 def bodies(workload: wl.Workload) -> list[str]:
     return [json.dumps(s.body, sort_keys=True) for s in ag.iter_specs(workload, answer)]
 
@@ -155,17 +168,7 @@ def test_mooncake_rows_are_linked_into_sessions_by_their_hash_id_chains() -> Non
 async def test_closed_loop_a_turn_waits_for_the_previous_answer_and_its_think_time() -> None:
     workload = small(seed=5, sessions=4, think_time_s=0.05, rate=50.0)
     delays = {(s.session.split("/")[0], s.turn): s.delay_s for s in ag.iter_specs(workload, answer)}
-    fast = SimConfig(prefill_tokens_per_s=2_000_000.0, decode_tokens_per_s=20_000.0)
-    async with run_replicas(2, fast) as reps:
-        res = await run_workload(
-            ClientTarget([r.url for r in reps], "round_robin"),
-            workload,
-            concurrency=8,
-            max_seconds=60,
-            request_timeout_s=20,
-            progress=False,
-            compute_ideal=False,
-        )
+    res = await run_on_sims(workload, 2, concurrency=8, max_seconds=60, request_timeout_s=20)
     assert res.ok == res.sent == workload.planned_requests
     by_script: dict[str, list[Any]] = defaultdict(list)
     for r in res.records:
@@ -220,17 +223,7 @@ async def test_messages_sessions_run_closed_loop_through_the_anthropic_sdk() -> 
     stream and comes back in the next turn's body, the first text delta timed, the replica's
     cache read counted."""
     workload = small(seed=6, sessions=3, messages_share=1.0, subagent_share=0.0, rate=50.0)
-    fast = SimConfig(prefill_tokens_per_s=2_000_000.0, decode_tokens_per_s=20_000.0)
-    async with run_replicas(1, fast) as reps:
-        res = await run_workload(
-            ClientTarget([r.url for r in reps], "round_robin"),
-            workload,
-            concurrency=4,
-            max_seconds=60,
-            request_timeout_s=20,
-            progress=False,
-            compute_ideal=False,
-        )
+    res = await run_on_sims(workload, 1, concurrency=4, max_seconds=60, request_timeout_s=20)
     assert res.ok == res.sent == workload.planned_requests
     assert {r.endpoint for r in res.records} == {"messages"}
     by_session: dict[str, list[Any]] = defaultdict(list)
@@ -265,17 +258,8 @@ def test_simulated_replicas_for_agent_sessions_hold_a_context_past_the_cap() -> 
 async def test_messages_sessions_without_streaming_read_the_whole_answer() -> None:
     """``--no-stream``: the SDK's raw response parsed whole (no first token: no TTFT)."""
     workload = small(seed=8, sessions=2, turns=(2, 3), messages_share=1.0, subagent_share=0.0)
-    fast = SimConfig(prefill_tokens_per_s=2_000_000.0, decode_tokens_per_s=20_000.0)
-    async with run_replicas(1, fast) as reps:
-        res = await run_workload(
-            ClientTarget([r.url for r in reps], "round_robin"),
-            workload,
-            concurrency=2,
-            max_seconds=30,
-            request_timeout_s=10,
-            progress=False,
-            compute_ideal=False,
-            stream=False,
-        )
+    res = await run_on_sims(
+        workload, 1, concurrency=2, max_seconds=30, request_timeout_s=10, stream=False
+    )
     assert res.ok == res.sent == workload.planned_requests
     assert all(r.answer and r.prompt_tokens and r.ttft_s is None for r in res.records)
